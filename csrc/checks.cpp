@@ -1,0 +1,199 @@
+#include "sglang_dflash/checks.h"
+
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+namespace sglang_dflash {
+namespace {
+
+#define SGLD_CHECK(cond, op, ...) TORCH_CHECK_VALUE(cond, "sglang_dflash.", op, ": ", __VA_ARGS__)
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+bool is_index_type(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
+
+void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank,
+                const char* layout) {
+  SGLD_CHECK(t.dim() == rank, op, name, " must be ", rank, "-D ", layout, ", got shape ",
+             shape_of(t));
+}
+
+void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim,
+                int64_t expected, const char* meaning) {
+  SGLD_CHECK(t.size(dim) == expected, op, name, ".shape[", dim, "] must be ", meaning, " = ",
+             expected, ", got shape ", shape_of(t));
+}
+
+void check_index_tensor(const char* op, const char* name, const at::Tensor& t) {
+  SGLD_CHECK(is_index_type(t.scalar_type()), op, name, " must be int32 or int64, got ",
+             t.scalar_type());
+}
+
+void check_same_device(const char* op, const at::Tensor& ref, const char* name,
+                       const at::Tensor& t) {
+  SGLD_CHECK(t.device() == ref.device(), op, name, " is on ", t.device(), " but the other inputs are on ",
+             ref.device());
+}
+
+void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype) {
+  SGLD_CHECK(t.scalar_type() == dtype, op, name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+// The kernels address rows through strides but read each head vector as one contiguous run.
+void check_rows_of_vectors(const char* op, const char* name, const at::Tensor& t) {
+  SGLD_CHECK(t.stride(-1) == 1, op, name, " must have a contiguous last dimension (stride 1), got strides ",
+             t.strides());
+}
+
+}  // namespace
+
+BlockAttentionShape check_block_attention_args(const at::Tensor& q, const at::Tensor& k_block,
+                                               const at::Tensor& v_block, const at::Tensor& k_cache,
+                                               const at::Tensor& v_cache,
+                                               const at::Tensor& req_to_token,
+                                               const at::Tensor& req_pool_indices,
+                                               const at::Tensor& ctx_lens, int64_t block_size,
+                                               int64_t window) {
+  const char* op = "block_attention";
+  check_rank(op, "q", q, 3, "[N, Hq, D]");
+  check_rank(op, "k_block", k_block, 3, "[N, Hkv, D]");
+  check_rank(op, "v_block", v_block, 3, "[N, Hkv, D]");
+  check_rank(op, "k_cache", k_cache, 3, "[S, Hkv, D]");
+  check_rank(op, "v_cache", v_cache, 3, "[S, Hkv, D]");
+  check_rank(op, "req_to_token", req_to_token, 2, "[R, M]");
+  check_rank(op, "req_pool_indices", req_pool_indices, 1, "[bs]");
+  check_rank(op, "ctx_lens", ctx_lens, 1, "[bs]");
+
+  SGLD_CHECK(is_float_type(q.scalar_type()), op, "q must be float32, bfloat16 or float16, got ",
+             q.scalar_type());
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"k_block", &k_block},
+                         {"v_block", &v_block},
+                         {"k_cache", &k_cache},
+                         {"v_cache", &v_cache}}) {
+    SGLD_CHECK(t->scalar_type() == q.scalar_type(), op, name, " must have q's dtype ",
+               q.scalar_type(), ", got ", t->scalar_type());
+    check_same_device(op, q, name, *t);
+    check_rows_of_vectors(op, name, *t);
+  }
+  check_rows_of_vectors(op, "q", q);
+  check_index_tensor(op, "req_to_token", req_to_token);
+  check_index_tensor(op, "req_pool_indices", req_pool_indices);
+  check_index_tensor(op, "ctx_lens", ctx_lens);
+  check_same_device(op, q, "req_to_token", req_to_token);
+  check_same_device(op, q, "req_pool_indices", req_pool_indices);
+  check_same_device(op, q, "ctx_lens", ctx_lens);
+
+  SGLD_CHECK(block_size >= 1, op, "block_size must be >= 1, got ", block_size);
+  SGLD_CHECK(window != 0, op, "window must be >= 1 (sliding window) or negative (off), got 0");
+  const int64_t n_rows = q.size(0), q_heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = k_block.size(1);
+  SGLD_CHECK(n_rows % block_size == 0, op, "q.shape[0] = ", n_rows,
+             " is not a multiple of block_size = ", block_size);
+  const int64_t batch = n_rows / block_size;
+  SGLD_CHECK(head_dim >= 1 && kv_heads >= 1, op, "head_dim and the number of kv heads must be >= 1, got k_block shape ",
+             shape_of(k_block));
+  SGLD_CHECK(q_heads % kv_heads == 0, op, "q heads (", q_heads,
+             ") must be a multiple of kv heads (", kv_heads, ")");
+  check_size(op, "k_block", k_block, 0, n_rows, "q.shape[0]");
+  check_size(op, "v_block", v_block, 0, n_rows, "q.shape[0]");
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"k_block", &k_block},
+                         {"v_block", &v_block},
+                         {"k_cache", &k_cache},
+                         {"v_cache", &v_cache}}) {
+    check_size(op, name, *t, 1, kv_heads, "kv heads");
+    check_size(op, name, *t, 2, head_dim, "head_dim");
+  }
+  check_size(op, "v_cache", v_cache, 0, k_cache.size(0), "k_cache.shape[0]");
+  check_size(op, "req_pool_indices", req_pool_indices, 0, batch, "bs = N / block_size");
+  check_size(op, "ctx_lens", ctx_lens, 0, batch, "bs = N / block_size");
+  return {batch, block_size, q_heads, kv_heads, head_dim};
+}
+
+void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& req_to_token,
+                                   const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens) {
+  const char* op = "block_attention";
+  const auto pools = req_pool_indices.to(at::kLong).contiguous();
+  const auto lens = ctx_lens.to(at::kLong).contiguous();
+  const auto table = req_to_token.to(at::kLong);
+  const int64_t n_reqs = req_to_token.size(0), width = req_to_token.size(1);
+  const int64_t n_slots = k_cache.size(0);
+  const int64_t* pool = pools.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < pools.numel(); ++b) {
+    SGLD_CHECK(pool[b] >= 0 && pool[b] < n_reqs, op, "req_pool_indices[", b, "] = ", pool[b],
+               " is out of range for req_to_token with ", n_reqs, " rows");
+    SGLD_CHECK(len[b] >= 0 && len[b] <= width, op, "ctx_lens[", b, "] = ", len[b],
+               " is out of range [0, ", width, "] (req_to_token width)");
+    if (len[b] == 0) continue;
+    const auto slots = table[pool[b]].narrow(0, 0, len[b]);
+    const int64_t lo = slots.min().item<int64_t>(), hi = slots.max().item<int64_t>();
+    SGLD_CHECK(lo >= 0 && hi < n_slots, op, "req_to_token[", pool[b], ", :", len[b],
+               "] holds slot ids in [", lo, ", ", hi, "], outside the KV cache's [0, ", n_slots,
+               ")");
+  }
+}
+
+VerifyShape check_verify_ids_args(const at::Tensor& candidates, const at::Tensor& target_ids) {
+  const char* op = "verify_block";
+  check_rank(op, "candidates", candidates, 2, "[bs, B]");
+  check_dtype(op, "candidates", candidates, at::kLong);
+  const int64_t batch = candidates.size(0), block_size = candidates.size(1);
+  SGLD_CHECK(block_size >= 1, op, "candidates must have at least one column (the anchor), got shape ",
+             shape_of(candidates));
+  check_index_tensor(op, "target_ids", target_ids);
+  check_same_device(op, candidates, "target_ids", target_ids);
+  SGLD_CHECK(target_ids.numel() == batch * block_size &&
+                 (target_ids.dim() == 1 || (target_ids.dim() == 2 && target_ids.size(0) == batch)),
+             op, "target_ids must be [bs, B] or [bs * B] with bs, B = ", batch, ", ", block_size,
+             " from candidates, got shape ", shape_of(target_ids));
+  return {batch, block_size, 0};
+}
+
+VerifyShape check_verify_args(const at::Tensor& candidates, const at::Tensor& logits,
+                              const at::Tensor& temperature, const at::Tensor& top_k,
+                              const at::Tensor& top_p, const at::Tensor& offsets) {
+  const char* op = "verify_block";
+  check_rank(op, "candidates", candidates, 2, "[bs, B]");
+  check_dtype(op, "candidates", candidates, at::kLong);
+  const int64_t batch = candidates.size(0), block_size = candidates.size(1);
+  SGLD_CHECK(block_size >= 1, op, "candidates must have at least one column (the anchor), got shape ",
+             shape_of(candidates));
+  check_rank(op, "logits", logits, 2, "[bs * B, V]");
+  SGLD_CHECK(is_float_type(logits.scalar_type()), op,
+             "logits must be float32, bfloat16 or float16, got ", logits.scalar_type());
+  check_size(op, "logits", logits, 0, batch * block_size, "bs * B from candidates");
+  SGLD_CHECK(logits.size(1) >= 1, op, "logits must have a vocabulary of at least 1, got shape ",
+             shape_of(logits));
+  check_rows_of_vectors(op, "logits", logits);
+  check_same_device(op, candidates, "logits", logits);
+  for (auto [name, t, dtype] :
+       {std::tuple<const char*, const at::Tensor*, at::ScalarType>{"temperature", &temperature, at::kFloat},
+        {"top_k", &top_k, at::kInt},
+        {"top_p", &top_p, at::kFloat},
+        {"offsets", &offsets, at::kLong}}) {
+    check_rank(op, name, *t, 1, "[bs]");
+    check_size(op, name, *t, 0, batch, "bs from candidates");
+    check_dtype(op, name, *t, dtype);
+    check_same_device(op, candidates, name, *t);
+  }
+  return {batch, block_size, logits.size(1)};
+}
+
+void check_verify_values(const at::Tensor& candidates, int64_t vocab) {
+  if (candidates.numel() == 0) return;
+  const int64_t lo = candidates.min().item<int64_t>(), hi = candidates.max().item<int64_t>();
+  SGLD_CHECK(lo >= 0 && hi < vocab, "verify_block",
+             "candidates hold token ids in [", lo, ", ", hi, "], outside the vocabulary [0, ",
+             vocab, ") of logits");
+}
+
+}  // namespace sglang_dflash

@@ -1,0 +1,260 @@
+// CPU block attention (DESIGN.md 3.1). One task per (request, kv head): the B x G query rows that
+// share a kv head are processed together, so every context K/V tile is gathered and converted to
+// fp32 once and reused by all of them. The context streams through in tiles with an online
+// softmax; the block's own K/V are the last tile. Buffers are allocated once per thread chunk.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "sglang_dflash/checks.h"
+#include "sglang_dflash/dispatch.h"
+#include "sglang_dflash/online_softmax.h"
+
+namespace sglang_dflash::cpu {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kTile = 64;  // context tokens per tile: K, V tiles and scores stay in L1/L2
+
+// C[M x N] += A[M x K] * Bm[K x N], all row-major fp32. Four rows of C at a time, two vectors of
+// columns, so each loaded Bm vector feeds four FMAs.
+void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* Bm,
+                     int64_t ldb, float* C, int64_t ldc) {
+  constexpr int64_t W = Vec::size();
+  int64_t j = 0;
+  for (; j + 2 * W <= N; j += 2 * W) {
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) {
+      Vec c[4][2];
+      for (int r = 0; r < 4; ++r) {
+        c[r][0] = Vec::loadu(C + (i + r) * ldc + j);
+        c[r][1] = Vec::loadu(C + (i + r) * ldc + j + W);
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec b0 = Vec::loadu(Bm + k * ldb + j), b1 = Vec::loadu(Bm + k * ldb + j + W);
+        for (int r = 0; r < 4; ++r) {
+          const Vec a(A[(i + r) * lda + k]);
+          c[r][0] = at::vec::fmadd(a, b0, c[r][0]);
+          c[r][1] = at::vec::fmadd(a, b1, c[r][1]);
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        c[r][0].store(C + (i + r) * ldc + j);
+        c[r][1].store(C + (i + r) * ldc + j + W);
+      }
+    }
+    for (; i < M; ++i) {
+      Vec c0 = Vec::loadu(C + i * ldc + j), c1 = Vec::loadu(C + i * ldc + j + W);
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec a(A[i * lda + k]);
+        c0 = at::vec::fmadd(a, Vec::loadu(Bm + k * ldb + j), c0);
+        c1 = at::vec::fmadd(a, Vec::loadu(Bm + k * ldb + j + W), c1);
+      }
+      c0.store(C + i * ldc + j);
+      c1.store(C + i * ldc + j + W);
+    }
+  }
+  for (; j < N; ++j) {  // column tail (N not a multiple of 2 * vector width)
+    for (int64_t i = 0; i < M; ++i) {
+      float acc = C[i * ldc + j];
+      for (int64_t k = 0; k < K; ++k) acc += A[i * lda + k] * Bm[k * ldb + j];
+      C[i * ldc + j] = acc;
+    }
+  }
+}
+
+// Per-thread scratch, sized once per parallel chunk.
+struct Scratch {
+  std::vector<float> q;      // [BG, D]  queries of one (request, kv head), pre-scaled
+  std::vector<float> k_t;    // [D, T]   K tile, transposed so scores are a plain row-major GEMM
+  std::vector<float> v;      // [T, D]   V tile
+  std::vector<float> score;  // [BG, T]  scores, then probabilities, of one tile
+  std::vector<float> acc;    // [BG, D]  un-normalised output
+  std::vector<SoftmaxState> state;  // [BG]
+  Scratch(int64_t rows, int64_t tile, int64_t head_dim)
+      : q(rows * head_dim), k_t(head_dim * tile), v(tile * head_dim), score(rows * tile),
+        acc(rows * head_dim), state(rows) {}
+};
+
+struct Problem {
+  int64_t block_size, group, kv_heads, head_dim, window;
+  bool causal_block;
+  float sm_scale;
+};
+
+// Online-softmax update of all query rows with one tile of `n` keys whose scores are in
+// s.score; `visible(row_in_block, key)` says which (block row, tile key) pairs may attend.
+template <typename Visible>
+void softmax_tile(Scratch& s, const Problem& p, int64_t n, Visible visible) {
+  const int64_t rows = p.block_size * p.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* score = s.score.data() + r * kTile;
+    const int64_t i = r / p.group;
+    float tile_max = -INFINITY;
+    for (int64_t c = 0; c < n; ++c) {
+      if (!visible(i, c)) score[c] = -INFINITY;
+      tile_max = std::max(tile_max, score[c]);
+    }
+    SoftmaxState& st = s.state[r];
+    const float new_max = std::max(st.max, tile_max);
+    if (new_max == -INFINITY) {  // nothing visible yet: probabilities are all zero
+      std::fill(score, score + n, 0.0f);
+      continue;
+    }
+    const float scale = rescale_factor(st.max, new_max);
+    float sum = 0.0f;
+    int64_t c = 0;
+    const Vec vmax(new_max);
+    Vec vsum(0.0f);
+    for (; c + Vec::size() <= n; c += Vec::size()) {
+      const Vec e = (Vec::loadu(score + c) - vmax).exp_u20();
+      e.store(score + c);
+      vsum += e;
+    }
+    for (; c < n; ++c) sum += score[c] = std::exp(score[c] - new_max);
+    sum += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+    st.sum = st.sum * scale + sum;
+    st.max = new_max;
+    if (scale != 1.0f) {
+      float* acc = s.acc.data() + r * p.head_dim;
+      for (int64_t d = 0; d < p.head_dim; ++d) acc[d] *= scale;
+    }
+  }
+}
+
+// Loads `n` key/value vectors of one kv head into the tile buffers (K transposed), in fp32.
+template <typename scalar_t, typename KeyPtr>
+void load_tile(Scratch& s, int64_t n, int64_t head_dim, KeyPtr key_ptr) {
+  for (int64_t c = 0; c < n; ++c) {
+    const scalar_t* k;
+    const scalar_t* v;
+    key_ptr(c, k, v);
+    float* v_row = s.v.data() + c * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      s.k_t[d * kTile + c] = static_cast<float>(k[d]);
+      v_row[d] = static_cast<float>(v[d]);
+    }
+  }
+}
+
+// Scores of all query rows against the loaded tile, then the online softmax and P @ V.
+template <typename Visible>
+void attend_tile(Scratch& s, const Problem& p, int64_t n, Visible visible) {
+  const int64_t rows = p.block_size * p.group;
+  for (int64_t r = 0; r < rows; ++r) std::fill_n(s.score.data() + r * kTile, n, 0.0f);
+  gemm_accumulate(rows, n, p.head_dim, s.q.data(), p.head_dim, s.k_t.data(), kTile,
+                  s.score.data(), kTile);
+  softmax_tile(s, p, n, visible);
+  gemm_accumulate(rows, p.head_dim, n, s.score.data(), kTile, s.v.data(), p.head_dim,
+                  s.acc.data(), p.head_dim);
+}
+
+template <typename scalar_t, typename table_t>
+void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
+                            const at::Tensor& v_block, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& req_to_token,
+                            const int64_t* pool_index, const int64_t* ctx_len, const Problem& p,
+                            int64_t batch, at::Tensor& out) {
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* kb_ptr = k_block.data_ptr<scalar_t>();
+  const scalar_t* vb_ptr = v_block.data_ptr<scalar_t>();
+  const scalar_t* kc_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vc_ptr = v_cache.data_ptr<scalar_t>();
+  const table_t* table = req_to_token.data_ptr<table_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t B = p.block_size, G = p.group, D = p.head_dim, rows = B * G;
+
+  at::parallel_for(0, batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(rows, kTile, D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / p.kv_heads, h = task % p.kv_heads;
+      const int64_t ctx = ctx_len[b];
+      const table_t* slots = table + pool_index[b] * req_to_token.stride(0);
+      for (int64_t i = 0; i < B; ++i) {
+        for (int64_t g = 0; g < G; ++g) {
+          const scalar_t* src = q_ptr + (b * B + i) * q.stride(0) + (h * G + g) * q.stride(1);
+          float* dst = s.q.data() + (i * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * p.sm_scale;
+        }
+      }
+      std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+      std::fill(s.state.begin(), s.state.end(), SoftmaxState{-INFINITY, 0.0f});
+
+      // Context: block row i (position ctx + i) sees context token j when ctx + i - j < window.
+      const int64_t first = p.window >= 1 ? std::max<int64_t>(0, ctx - p.window + 1) : 0;
+      for (int64_t t0 = first; t0 < ctx; t0 += kTile) {
+        const int64_t n = std::min(kTile, ctx - t0);
+        load_tile<scalar_t>(s, n, D, [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
+          const int64_t slot = static_cast<int64_t>(slots[t0 + c]);
+          k = kc_ptr + slot * k_cache.stride(0) + h * k_cache.stride(1);
+          v = vc_ptr + slot * v_cache.stride(0) + h * v_cache.stride(1);
+        });
+        attend_tile(s, p, n, [&](int64_t i, int64_t c) {
+          return p.window < 1 || ctx + i - (t0 + c) < p.window;
+        });
+      }
+      // The block itself: row i sees row c unless causal (c > i) or outside the window.
+      load_tile<scalar_t>(s, B, D, [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
+        k = kb_ptr + (b * B + c) * k_block.stride(0) + h * k_block.stride(1);
+        v = vb_ptr + (b * B + c) * v_block.stride(0) + h * v_block.stride(1);
+      });
+      attend_tile(s, p, B, [&](int64_t i, int64_t c) {
+        return !(p.causal_block && c > i) && (p.window < 1 || std::abs(i - c) < p.window);
+      });
+
+      for (int64_t i = 0; i < B; ++i) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          const float inv = 1.0f / s.state[r].sum;
+          const float* src = s.acc.data() + r * D;
+          scalar_t* dst = out_ptr + ((b * B + i) * p.kv_heads * G + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(src[d] * inv);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
+                           const at::Tensor& v_block, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& req_to_token,
+                           const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens,
+                           int64_t block_size, double sm_scale, int64_t window,
+                           bool causal_block) {
+  const auto shape = check_block_attention_args(q, k_block, v_block, k_cache, v_cache,
+                                                req_to_token, req_pool_indices, ctx_lens,
+                                                block_size, window);
+  check_block_attention_indices(k_cache, req_to_token, req_pool_indices, ctx_lens);
+  // The table is read row by row through stride(0), so only its columns must be contiguous.
+  const auto table = req_to_token.stride(1) == 1 ? req_to_token : req_to_token.contiguous();
+  const auto pools = req_pool_indices.to(at::kLong).contiguous();
+  const auto lens = ctx_lens.to(at::kLong).contiguous();
+  auto out = at::empty({q.size(0), shape.q_heads, shape.head_dim}, q.options());
+  if (q.size(0) == 0) return out;
+
+  const Problem problem{block_size,       shape.q_heads / shape.kv_heads,
+                        shape.kv_heads,   shape.head_dim,
+                        window,           causal_block,
+                        static_cast<float>(sm_scale)};
+  SGLD_DISPATCH_FLOAT_TYPES(q.scalar_type(), "block_attention", [&] {
+    if (table.scalar_type() == at::kInt) {
+      block_attention_kernel<scalar_t, int32_t>(q, k_block, v_block, k_cache, v_cache, table,
+                                                pools.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                                problem, shape.batch, out);
+    } else {
+      block_attention_kernel<scalar_t, int64_t>(q, k_block, v_block, k_cache, v_cache, table,
+                                                pools.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                                problem, shape.batch, out);
+    }
+  });
+  return out;
+}
+
+}  // namespace sglang_dflash::cpu

@@ -1,0 +1,23 @@
+// CPU implementations of the ops registered in ops.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+namespace sglang_dflash::cpu {
+
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
+                           const at::Tensor& v_block, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& req_to_token,
+                           const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens,
+                           int64_t block_size, double sm_scale, int64_t window, bool causal_block);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block(
+    const at::Tensor& candidates, const at::Tensor& logits, const at::Tensor& temperature,
+    const at::Tensor& top_k, const at::Tensor& top_p, int64_t seed, const at::Tensor& offsets);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_from_ids(const at::Tensor& candidates,
+                                                                     const at::Tensor& target_ids);
+
+}  // namespace sglang_dflash::cpu

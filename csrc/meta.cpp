@@ -1,0 +1,50 @@
+// Meta implementations: shape inference for FakeTensor / torch.compile, running the same
+// argument validation as the real kernels (no tensor data is read).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "sglang_dflash/checks.h"
+
+namespace sglang_dflash {
+namespace {
+
+at::Tensor block_attention_meta(const at::Tensor& q, const at::Tensor& k_block,
+                                const at::Tensor& v_block, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& req_to_token,
+                                const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens,
+                                int64_t block_size, double /*sm_scale*/, int64_t window,
+                                bool /*causal_block*/) {
+  const auto shape = check_block_attention_args(q, k_block, v_block, k_cache, v_cache,
+                                                req_to_token, req_pool_indices, ctx_lens,
+                                                block_size, window);
+  return at::empty({q.size(0), shape.q_heads, shape.head_dim}, q.options());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_results(const VerifyShape& shape,
+                                                              const at::Tensor& candidates) {
+  const auto opts = candidates.options();
+  return {at::empty({shape.batch}, opts.dtype(at::kInt)),
+          at::empty({shape.batch}, opts.dtype(at::kLong)),
+          at::empty({shape.batch, shape.block_size}, opts.dtype(at::kLong))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_meta(
+    const at::Tensor& candidates, const at::Tensor& logits, const at::Tensor& temperature,
+    const at::Tensor& top_k, const at::Tensor& top_p, int64_t /*seed*/, const at::Tensor& offsets) {
+  return verify_results(check_verify_args(candidates, logits, temperature, top_k, top_p, offsets),
+                        candidates);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_from_ids_meta(
+    const at::Tensor& candidates, const at::Tensor& target_ids) {
+  return verify_results(check_verify_ids_args(candidates, target_ids), candidates);
+}
+
+}  // namespace
+}  // namespace sglang_dflash
+
+TORCH_LIBRARY_IMPL(sglang_dflash, Meta, m) {
+  m.impl("block_attention", &sglang_dflash::block_attention_meta);
+  m.impl("verify_block", &sglang_dflash::verify_block_meta);
+  m.impl("verify_block_from_ids", &sglang_dflash::verify_block_from_ids_meta);
+}

@@ -1,0 +1,31 @@
+// Op schemas of the sglang_dflash namespace and their CPU implementations. CUDA implementations
+// register themselves from csrc/cuda/ when the extension is built with CUDA, and the Meta
+// (shape-only) implementations from meta.cpp.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "cpu/cpu_kernels.h"
+
+TORCH_LIBRARY(sglang_dflash, m) {
+  m.def(
+      "block_attention(Tensor q, Tensor k_block, Tensor v_block, Tensor k_cache, Tensor v_cache, "
+      "Tensor req_to_token, Tensor req_pool_indices, Tensor ctx_lens, int block_size, "
+      "float sm_scale, int window=-1, bool causal_block=False) -> Tensor");
+  m.def(
+      "verify_block(Tensor candidates, Tensor logits, Tensor temperature, Tensor top_k, "
+      "Tensor top_p, int seed, Tensor offsets) -> (Tensor accept_len, Tensor bonus, "
+      "Tensor out_tokens)");
+  m.def(
+      "verify_block_from_ids(Tensor candidates, Tensor target_ids) -> (Tensor accept_len, "
+      "Tensor bonus, Tensor out_tokens)");
+}
+
+TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
+  m.impl("block_attention", &sglang_dflash::cpu::block_attention);
+  m.impl("verify_block", &sglang_dflash::cpu::verify_block);
+  m.impl("verify_block_from_ids", &sglang_dflash::cpu::verify_block_from_ids);
+}
+
+// Importing sglang_dflash._C runs the registrations above; the module itself has no members.
+static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module_def); }

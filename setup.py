@@ -1,0 +1,119 @@
+"""Builds sglang_dflash._C: the C++ CPU kernels always, the CUDA kernels when they can be built.
+
+SGLANG_DFLASH_CUDA=1 forces the CUDA sources in (the build fails if it cannot compile them),
+SGLANG_DFLASH_CUDA=0 leaves them out; unset, they are built when torch is a CUDA build and nvcc is
+found. TORCH_CUDA_ARCH_LIST picks the GPU architectures (default "9.0;8.0"). MAX_JOBS caps the
+parallel compile jobs (default: all cores).
+"""
+
+import glob
+import os
+import platform
+import shutil
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cuda_wanted() -> bool:
+    import torch
+
+    flag = os.environ.get("SGLANG_DFLASH_CUDA", "").strip().lower()
+    if flag in ("0", "false", "off", "no"):
+        return False
+    available = torch.version.cuda is not None and (
+        shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME"))
+    )
+    if flag in ("1", "true", "on", "yes"):
+        if not available:
+            raise RuntimeError(
+                "SGLANG_DFLASH_CUDA=1 but the CUDA sources cannot be built: torch "
+                f"{torch.__version__} is {'a CPU' if torch.version.cuda is None else 'a CUDA'} build "
+                f"and nvcc is {'missing' if shutil.which('nvcc') is None else 'present'}"
+            )
+        return True
+    return available
+
+
+def _cuda_home() -> str:
+    # torch guesses CUDA_HOME from nvcc's parent directory, which is wrong when nvcc on PATH is a
+    # wrapper script; resolve the real toolkit root instead.
+    nvcc = shutil.which("nvcc")
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    real = os.path.realpath(nvcc) if nvcc else "/usr/local/cuda/bin/nvcc"
+    return os.path.dirname(os.path.dirname(real))
+
+
+def _cpu_flags() -> list[str]:
+    flags = ["-O3", "-std=c++20", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        # at::vec::Vectorized<float> as AVX2 (8 lanes); every x86 machine this targets has AVX2.
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return flags
+
+
+def extensions():
+    from torch.utils import cpp_extension
+
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
+    extra = {"cxx": _cpu_flags()}
+    if not _cuda_wanted():
+        return [
+            cpp_extension.CppExtension(
+                "sglang_dflash._C",
+                sources,
+                include_dirs=include_dirs,
+                extra_compile_args=extra,
+                extra_link_args=["-fopenmp"],
+            )
+        ]
+    os.environ["CUDA_HOME"] = cpp_extension.CUDA_HOME = _cuda_home()
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0;8.0")
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    extra["cxx"].append("-DSGLANG_DFLASH_WITH_CUDA")
+    extra["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-DSGLANG_DFLASH_WITH_CUDA"]
+    return [
+        cpp_extension.CUDAExtension(
+            "sglang_dflash._C",
+            sources,
+            include_dirs=include_dirs + _cuda_library_headers(),
+            extra_compile_args=extra,
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+
+
+def _cuda_library_headers() -> list[str]:
+    """ATen/cuda headers include cuBLAS/cuSPARSE/cuSOLVER/cuRAND/cuFFT headers, which a bare
+    toolkit may lack; torch's pip wheels ship them under nvidia/cu13/include. Adding that whole
+    tree breaks nvcc 13.0, so link just those headers into a private include dir."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    out = os.path.join(ROOT, "build", "cuda_lib_headers")
+    os.makedirs(out, exist_ok=True)
+    for base in spec.submodule_search_locations:
+        for header in glob.glob(os.path.join(base, "cu*", "include", "cu*.h")):
+            name = os.path.basename(header)
+            if name.startswith(("cublas", "cusparse", "cusolver", "curand", "cufft")):
+                link = os.path.join(out, name)
+                if not os.path.exists(link):
+                    os.symlink(header, link)
+    return [out]
+
+
+def build_ext_class():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return BuildExtension.with_options(use_ninja=True)
+
+
+if "MAX_JOBS" not in os.environ:
+    os.environ["MAX_JOBS"] = str(os.cpu_count() or 1)
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": build_ext_class()})

@@ -1,0 +1,75 @@
+"""The kernels' public API. Semantics: DESIGN.md section 3; executable spec: `reference.py`.
+
+Every op validates its arguments in the extension (shapes, dtypes, devices, and on CPU the index
+ranges) and raises one ValueError naming the bad argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_dflash._extension import ops as _ops
+
+__all__ = ["block_attention", "verify_block", "verify_block_from_ids"]
+
+
+def block_attention(
+    q: torch.Tensor,
+    k_block: torch.Tensor,
+    v_block: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    block_size: int,
+    sm_scale: float | None = None,
+    window: int = -1,
+    causal_block: bool = False,
+) -> torch.Tensor:
+    """Attention of every draft-block query over its request's paged context plus its own block.
+
+    q [N, Hq, D], k_block / v_block [N, Hkv, D] with N = bs * block_size (rows b*B .. b*B+B-1
+    are request b's block); k_cache / v_cache [S, Hkv, D], one slot per token; request b's
+    context token j lives in slot req_to_token[req_pool_indices[b], j] for j < ctx_lens[b].
+    Block rows see every block row (only rows <= themselves when `causal_block`); `window` >= 1
+    keeps the keys within that many positions. sm_scale defaults to D ** -0.5.
+    Returns out [N, Hq, D] in q's dtype.
+    """
+    if sm_scale is None:
+        sm_scale = q.shape[-1] ** -0.5
+    return _ops().block_attention(
+        q, k_block, v_block, k_cache, v_cache, req_to_token, req_pool_indices, ctx_lens,
+        int(block_size), float(sm_scale), int(window), bool(causal_block),
+    )
+
+
+def verify_block(
+    candidates: torch.Tensor,
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: int,
+    offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verify a block of drafts per request against the target's logits, losslessly.
+
+    candidates int64 [bs, B]: the committed anchor then B-1 drafts; logits [bs*B, V]: row b*B+i
+    predicts the token after candidates[b, i]. Per request: temperature f32 (<= 0: greedy),
+    top_k i32 (<= 0: off), top_p f32 (>= 1: off) and offsets i64, which with `seed` key the
+    sampling noise (pass offsets that never repeat for a request, e.g. its position).
+    Returns accept_len i32 [bs], bonus i64 [bs], out_tokens i64 [bs, B] (accepted drafts, the
+    bonus, then -1).
+    """
+    return _ops().verify_block(candidates, logits, temperature, top_k, top_p, int(seed), offsets)
+
+
+def verify_block_from_ids(
+    candidates: torch.Tensor, target_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`verify_block` given the target's tokens (e.g. a precomputed argmax) instead of logits.
+
+    target_ids int [bs, B] or [bs * B]: the target's token after each candidate.
+    """
+    return _ops().verify_block_from_ids(candidates, target_ids)

@@ -1,0 +1,173 @@
+"""Pure-PyTorch references of the kernels: the executable spec (DESIGN.md section 3).
+
+These favour being obviously right over being fast. The C++ and CUDA kernels are tested against
+them; any disagreement is a kernel bug unless this file contradicts DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Philox4x32-10 constants (Salmon et al., SC'11), the same ones ATen's philox_engine uses.
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+_U32 = 0xFFFFFFFF
+
+
+def block_attention(
+    q: torch.Tensor,
+    k_block: torch.Tensor,
+    v_block: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    block_size: int,
+    sm_scale: float | None = None,
+    window: int = -1,
+    causal_block: bool = False,
+) -> torch.Tensor:
+    """Attention of each draft block over its request's paged context plus the block itself."""
+    n_rows, hq, head_dim = q.shape
+    group = hq // k_block.shape[1]
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+    out = torch.empty_like(q)
+    block_pos = torch.arange(block_size, device=q.device)
+    for b in range(n_rows // block_size):
+        rows = slice(b * block_size, (b + 1) * block_size)
+        ctx = int(ctx_lens[b])
+        slots = req_to_token[int(req_pool_indices[b]), :ctx].long()
+        k = torch.cat([k_cache[slots], k_block[rows]]).float().repeat_interleave(group, dim=1)
+        v = torch.cat([v_cache[slots], v_block[rows]]).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", q[rows].float(), k) * sm_scale
+
+        q_pos = ctx + block_pos
+        k_pos = torch.cat([torch.arange(ctx, device=q.device), ctx + block_pos])
+        visible = torch.ones(block_size, ctx + block_size, dtype=torch.bool, device=q.device)
+        if causal_block:
+            visible[:, ctx:] = k_pos[None, ctx:] <= q_pos[:, None]
+        if window >= 1:
+            visible &= (q_pos[:, None] - k_pos[None, :]).abs() < window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[rows] = torch.einsum("hij,jhd->ihd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def philox4x32_10(counter: list[torch.Tensor], key: tuple[int, int]) -> list[torch.Tensor]:
+    """Philox4x32 with 10 rounds on int64 tensors holding uint32 values; returns 4 output lanes."""
+    c0, c1, c2, c3 = (c.to(torch.int64) & _U32 for c in counter)
+    k0, k1 = key[0] & _U32, key[1] & _U32
+    for round_ in range(10):
+        if round_:
+            k0, k1 = (k0 + _PHILOX_W0) & _U32, (k1 + _PHILOX_W1) & _U32
+        p0, p1 = c0 * _PHILOX_M0, c2 * _PHILOX_M1  # wraps mod 2^64; both halves stay exact
+        hi0, lo0 = (p0 >> 32) & _U32, p0 & _U32
+        hi1, lo1 = (p1 >> 32) & _U32, p1 & _U32
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return [c0, c1, c2, c3]
+
+
+def gumbel_noise(seed: int, offset: int, row: int, vocab_size: int, device=None) -> torch.Tensor:
+    """Gumbel(0, 1) noise for one verify row: fp32 [vocab_size].
+
+    Vocab id v reads lane v % 4 of the Philox block at counter (v // 4, row, offset lo, offset hi)
+    under key seed. The 23 high bits of the lane give u = (2m + 1) / 2^24 in (0, 1), exactly; the
+    noise -log(-log(u)) is evaluated in float64 and rounded once to fp32 so every backend agrees.
+    """
+    offset &= (1 << 64) - 1
+    seed &= (1 << 64) - 1
+    group = torch.arange((vocab_size + 3) // 4, dtype=torch.int64, device=device)
+    full = torch.full_like(group, 0)
+    lanes = philox4x32_10(
+        [group, full + row, full + (offset & _U32), full + (offset >> 32)], (seed & _U32, seed >> 32)
+    )
+    bits = torch.stack(lanes, dim=1).reshape(-1)[:vocab_size]
+    u = ((bits >> 9) * 2 + 1).double() / 2.0**24
+    return (-torch.log(-torch.log(u))).float()
+
+
+def sampling_mask(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Which vocab ids the top-k / top-p filters keep for one row of scaled logits x (fp32 [V]).
+
+    Ties are kept together, so the rule does not depend on any sort order: top-k keeps every id
+    whose logit is >= the k-th largest; top-p then keeps an id when the probability mass (within
+    the top-k set) of ids strictly more likely than it is < top_p. The most likely ids always stay.
+    """
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if 0 < top_k < x.numel():
+        keep &= x >= torch.topk(x, top_k).values[-1]
+    if top_p < 1.0:
+        probs = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=0)
+        sorted_p, order = probs.sort(descending=True)
+        exclusive = torch.cumsum(sorted_p, 0) - sorted_p
+        # Mass strictly above an id = exclusive cumsum at the first member of its tie group.
+        first_of_tie = torch.searchsorted(-sorted_p, -sorted_p, side="left")
+        mass_above = torch.empty_like(probs)
+        mass_above[order] = exclusive[first_of_tie]
+        keep &= (mass_above < top_p) | (x == x.max())
+    return keep
+
+
+def target_samples(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: int,
+    offsets: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """The target's token for every verify row: int64 [bs, B].
+
+    Greedy (temperature <= 0): argmax, lowest id on ties. Otherwise the Gumbel-max sample
+    argmax(logit / T + g) over the ids `sampling_mask` keeps.
+    """
+    bs = temperature.numel()
+    y = torch.empty(bs, block_size, dtype=torch.int64, device=logits.device)
+    for b in range(bs):
+        for i in range(block_size):
+            row = logits[b * block_size + i].float()
+            t = float(temperature[b])
+            if t <= 0:
+                y[b, i] = torch.argmax(row)
+                continue
+            x = row / t
+            noise = gumbel_noise(seed, int(offsets[b]), i, row.numel(), row.device)
+            keep = sampling_mask(x, int(top_k[b]), float(top_p[b]))
+            y[b, i] = torch.argmax((x + noise).masked_fill(~keep, float("-inf")))
+    return y
+
+
+def verify_block_from_ids(candidates: torch.Tensor, target_ids: torch.Tensor):
+    """Accept the longest draft prefix that agrees with the target's tokens.
+
+    Returns (accept_len int32 [bs], bonus int64 [bs], out_tokens int64 [bs, B]): out_tokens holds
+    the accepted drafts, then the bonus (the target's token after them), then -1.
+    """
+    bs, block_size = candidates.shape
+    target_ids = target_ids.reshape(bs, block_size).long()
+    agree = candidates[:, 1:].long() == target_ids[:, :-1]
+    accept_len = agree.long().cumprod(dim=1).sum(dim=1)
+    bonus = target_ids.gather(1, accept_len[:, None])[:, 0]
+    out_tokens = torch.full((bs, block_size), -1, dtype=torch.int64, device=candidates.device)
+    for b in range(bs):
+        a = int(accept_len[b])
+        out_tokens[b, :a] = candidates[b, 1 : a + 1]
+        out_tokens[b, a] = bonus[b]
+    return accept_len.int(), bonus, out_tokens
+
+
+def verify_block(
+    candidates: torch.Tensor,
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: int,
+    offsets: torch.Tensor,
+):
+    """Sample the target's token for every row, then accept as `verify_block_from_ids` does."""
+    y = target_samples(logits, temperature, top_k, top_p, seed, offsets, candidates.shape[1])
+    return verify_block_from_ids(candidates, y)
