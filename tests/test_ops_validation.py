@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sglang_dflash import ops
-from tests.test_ops_block_attention import make_inputs
+from sglang_dflash.ops.testing import make_attention_inputs as make_inputs
 from tests.test_ops_verify import sampling_args
 
 

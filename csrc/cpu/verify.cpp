@@ -20,23 +20,41 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
-float row_max(const float* x, int64_t n) {
-  Vec vmax(-INFINITY);
-  int64_t v = 0;
-  for (; v + Vec::size() <= n; v += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(x + v));
-  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
-                                           vmax);
-  for (; v < n; ++v) m = std::max(m, x[v]);
-  return m;
-}
-
-// Lowest index of the maximum: the greedy token.
+// Lowest index of the maximum: the greedy token. One pass: each lane keeps its running max and
+// the first index where it occurred (indices < 2^24 are exact in fp32), then the lanes merge.
 int64_t row_argmax(const float* x, int64_t n) {
-  const float m = row_max(x, n);
-  for (int64_t v = 0; v < n; ++v) {
-    if (x[v] == m) return v;
+  constexpr int64_t W = Vec::size();
+  float best = x[0];
+  int64_t best_id = 0, v = 0;
+  if (n >= W) {
+    float lane_max[W], lane_idx[W];
+    Vec vidx = Vec::arange(0.0f, 1.0f), cur = vidx, vmax = Vec::loadu(x);
+    const Vec step(static_cast<float>(W));
+    for (v = W, cur += step; v + W <= n; v += W, cur += step) {
+      const Vec xv = Vec::loadu(x + v);
+      const Vec better = xv > vmax;
+      vmax = Vec::blendv(vmax, xv, better);
+      vidx = Vec::blendv(vidx, cur, better);
+    }
+    vmax.store(lane_max);
+    vidx.store(lane_idx);
+    best = lane_max[0];
+    best_id = static_cast<int64_t>(lane_idx[0]);
+    for (int64_t lane = 1; lane < W; ++lane) {
+      const auto id = static_cast<int64_t>(lane_idx[lane]);
+      if (lane_max[lane] > best || (lane_max[lane] == best && id < best_id)) {
+        best = lane_max[lane];
+        best_id = id;
+      }
+    }
   }
-  return 0;  // only reached when the row holds NaN
+  for (; v < n; ++v) {
+    if (x[v] > best) {
+      best = x[v];
+      best_id = v;
+    }
+  }
+  return best_id;
 }
 
 // Number of x >= t.

@@ -1,0 +1,113 @@
+"""CPU op benchmark: each kernel side by side with its pure-PyTorch reference, in one process.
+
+Prints, per shape, the median time of both, the ratio (reference / kernel) and the kernel's
+achieved bandwidth over the bytes it must read (context K/V for block_attention, logits for
+verify_block), and writes the table to bench/results/cpu_ops.json.
+
+    python bench/bench_ops.py [--quick] [--out bench/results/cpu_ops.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from sglang_dflash import ops  # noqa: E402
+from sglang_dflash.ops import reference  # noqa: E402
+from sglang_dflash.ops.testing import make_attention_inputs as make_inputs  # noqa: E402
+
+# (bs, B, Hq, Hkv, D, ctx, dtype); the first row is the foundation issue's goal shape.
+ATTENTION_SHAPES = [
+    (4, 16, 16, 4, 128, 2048, torch.float32),
+    (1, 16, 32, 8, 128, 4096, torch.float32),
+    (8, 16, 16, 4, 128, 1024, torch.bfloat16),
+    (4, 8, 16, 4, 64, 512, torch.float32),
+]
+# (bs, B, V, temperature, drafts); "agree": every draft matches, so every row is read (worst
+# case); "random": drafts almost surely wrong, so only row 0 of each request is read.
+VERIFY_SHAPES = [
+    (8, 16, 151936, 0.0, "agree"),
+    (8, 16, 151936, 0.0, "random"),
+    (1, 16, 151936, 1.0, "agree"),
+]
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_attention(shape, repeats):
+    bs, block, hq, hkv, d, ctx, dtype = shape
+    args = make_inputs(bs, block, hq, hkv, d, [ctx] * bs, dtype, seed=0)
+    kernel = median_time(lambda: ops.block_attention(**args, block_size=block), repeats)
+    ref = median_time(lambda: reference.block_attention(**args, block_size=block), max(2, repeats // 4))
+    kv_bytes = 2 * bs * (ctx + block) * hkv * d * args["k_cache"].element_size()
+    return dict(op="block_attention", bs=bs, B=block, Hq=hq, Hkv=hkv, D=d, ctx=ctx,
+                dtype=str(dtype).removeprefix("torch."), kernel_ms=kernel * 1e3,
+                reference_ms=ref * 1e3, ratio=ref / kernel, kernel_GBps=kv_bytes / kernel / 1e9)
+
+
+def bench_verify(shape, repeats):
+    bs, block, vocab, temperature, drafts = shape
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(bs * block, vocab, generator=gen)
+    args = dict(temperature=torch.full((bs,), temperature), top_k=torch.zeros(bs, dtype=torch.int32),
+                top_p=torch.ones(bs), seed=1, offsets=torch.arange(bs, dtype=torch.int64))
+    cand = torch.randint(0, vocab, (bs, block), generator=gen)
+    if drafts == "agree":
+        target = reference.target_samples(logits, block_size=block, **args)
+        cand[:, 1:] = target[:, :-1]
+    kernel = median_time(lambda: ops.verify_block(cand, logits, **args), repeats)
+    ref = median_time(lambda: reference.verify_block(cand, logits, **args), max(2, repeats // 4))
+    accept = ops.verify_block(cand, logits, **args)[0]
+    return dict(op="verify_block", bs=bs, B=block, V=vocab, temperature=temperature, drafts=drafts,
+                mean_accept=float(accept.float().mean()), kernel_ms=kernel * 1e3,
+                reference_ms=ref * 1e3, ratio=ref / kernel,
+                kernel_GBps=logits.numel() * logits.element_size() / kernel / 1e9)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="first shape of each op, few repeats")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_ops.json"))
+    opts = parser.parse_args()
+    repeats = 3 if opts.quick else 10
+    jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
+    jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
+    rows = [fn(shape, repeats) for fn, shape in tqdm(jobs, desc="benchmark", unit="shape")]
+
+    print(f"\nCPU: {platform.processor() or platform.machine()}, torch threads: {torch.get_num_threads()}")
+    for row in rows:
+        shape = {k: v for k, v in row.items() if k not in ("op", "kernel_ms", "reference_ms", "ratio", "kernel_GBps")}
+        print(f"{row['op']:16s} {shape}\n    kernel {row['kernel_ms']:9.2f} ms   reference "
+              f"{row['reference_ms']:9.2f} ms   ratio {row['ratio']:6.1f}x   {row['kernel_GBps']:6.1f} GB/s")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(__file__)).stdout.strip()
+    result = dict(device=f"CPU {platform.machine()}, {os.cpu_count()} cores", threads=torch.get_num_threads(),
+                  date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__, cases=rows)
+    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
+    with open(opts.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {opts.out}")
+
+
+if __name__ == "__main__":
+    main()
