@@ -10,6 +10,7 @@ import glob
 import os
 import platform
 import shutil
+import subprocess
 
 from setuptools import setup
 
@@ -37,13 +38,15 @@ def _cuda_wanted() -> bool:
 
 
 def _cuda_home() -> str:
-    # torch guesses CUDA_HOME from nvcc's parent directory, which is wrong when nvcc on PATH is a
-    # wrapper script; resolve the real toolkit root instead.
-    nvcc = shutil.which("nvcc")
+    """The CUDA toolkit root. torch guesses it from nvcc's parent directory, which is wrong when the
+    nvcc on PATH is a wrapper script (as on our machines); nvcc itself reports its real root."""
     if os.environ.get("CUDA_HOME"):
         return os.environ["CUDA_HOME"]
-    real = os.path.realpath(nvcc) if nvcc else "/usr/local/cuda/bin/nvcc"
-    return os.path.dirname(os.path.dirname(real))
+    dryrun = subprocess.run(["nvcc", "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True)
+    for line in (dryrun.stdout + dryrun.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return os.path.normpath(line.removeprefix("#$ TOP="))
+    raise RuntimeError(f"cannot locate the CUDA toolkit from nvcc; set CUDA_HOME. nvcc said: {dryrun.stderr[-500:]}")
 
 
 def _cpu_flags() -> list[str]:

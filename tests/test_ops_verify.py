@@ -232,3 +232,21 @@ def test_gumbel_noise_uses_philox_known_answer():
     ones = torch.full((1,), 0xFFFFFFFF, dtype=torch.int64)
     assert [int(x) for x in reference.philox4x32_10([ones] * 4, (0xFFFFFFFF, 0xFFFFFFFF))] == [
         0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.9, 7, 0.8)])
+def test_masked_logits(temperature, top_k, top_p):
+    """-inf logits (grammar or banned-token masks) are never chosen, and match the reference."""
+    gen = torch.Generator().manual_seed(31)
+    bs, block, vocab = 4, 3, 333
+    logits = torch.randn(bs * block, vocab, generator=gen)
+    logits[torch.rand(bs * block, vocab, generator=gen) < 0.7] = float("-inf")
+    logits[0, :-1] = float("-inf")  # only the last token allowed
+    logits[0, -1] = 0.5
+    cand = torch.randint(0, vocab, (bs, block), generator=gen)
+    args = sampling_args(bs, temperature, top_k, top_p)
+    got = ops.verify_block(cand, logits, seed=8, **args)
+    for g, w in zip(got, reference.verify_block(cand, logits, seed=8, **args), strict=True):
+        assert torch.equal(g, w)
+    assert got[1][0] == vocab - 1
+    assert torch.isfinite(logits.view(bs, block, vocab)[torch.arange(bs), got[0].long(), got[1]]).all()
