@@ -1,0 +1,1 @@
+"""Training of DFlash drafters for Hugging Face causal-LM targets."""
