@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1
 export TORCH_CUDA_ARCH_LIST ?= 9.0
 
-.PHONY: install test bench lint clean
+.PHONY: install test bench gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ test:
 
 bench:
 	$(PY) bench/bench_ops.py
+
+# On a GPU machine: build with CUDA, cuda tests, compute-sanitizer, kernel benchmark -> $$OUT.
+gpu-check:
+	bash bench/gpu_check.sh
 
 lint:
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,533 @@
+"""CUDA kernels against the pure-PyTorch spec and the CPU twins (DESIGN.md section 3).
+
+Every test here needs a CUDA GPU and an extension built with its CUDA kernels; without them the
+module is skipped. Inputs are fresh random tensors for every case; outputs come from the caching
+allocator after it was filled with NaNs, so an element the kernel never writes shows up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from sglang_dflash import ops
+from sglang_dflash.ops import reference
+
+pytestmark = pytest.mark.cuda
+
+
+def _cuda_ready() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from sglang_dflash._extension import has_cuda_kernels
+
+    try:
+        return has_cuda_kernels()
+    except ImportError:
+        return False
+
+
+if not _cuda_ready():
+    pytest.skip("needs a CUDA GPU and the extension's CUDA kernels", allow_module_level=True)
+
+DEV = torch.device("cuda")
+
+
+def _poison_allocator(nbytes: int = 64 << 20) -> None:
+    """Leave NaN-filled blocks in the caching allocator, which the op's outputs then reuse."""
+    junk = [torch.full((nbytes // 4,), float("nan"), device=DEV) for _ in range(2)]
+    junk += [torch.full((n,), float("nan"), device=DEV) for n in (1 << 10, 1 << 14, 1 << 18)]
+    del junk
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2, torch.float16: 4e-3}
+
+
+# ------------------------------------------------------------------------------------------------
+# block_attention
+
+
+def _attention_inputs(
+    bs,
+    block,
+    hq,
+    hkv,
+    d,
+    ctx_lens,
+    dtype,
+    table_dtype=torch.int32,
+    width=None,
+    seed=0,
+    unaligned=False,
+):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    width = width or max(max(ctx_lens), 1) + 3
+    n_slots = sum(ctx_lens) + 17
+    n = bs * block
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    pad = 1 if unaligned else 0  # a view whose rows start off 16-byte boundaries
+    q = rnd(n, hq, d + pad)[..., pad:].to(DEV) if pad else rnd(n, hq, d).to(DEV)
+    k_block, v_block = rnd(n, hkv, d).to(DEV), rnd(n, hkv, d).to(DEV)
+    k_cache, v_cache = rnd(n_slots, hkv, d).to(DEV), rnd(n_slots, hkv, d).to(DEV)
+    if pad:
+        k_cache = rnd(n_slots, hkv, d + pad)[..., pad:].to(DEV)
+    n_req = bs + 2
+    table = torch.randint(0, n_slots, (n_req, width), generator=g)
+    perm = torch.randperm(n_slots, generator=g)
+    pools = torch.randperm(n_req, generator=g)[:bs]
+    used = 0
+    for b, ctx in enumerate(ctx_lens):
+        table[pools[b], :ctx] = perm[used : used + ctx]
+        used += ctx
+    lens = torch.tensor(ctx_lens)
+    return dict(
+        q=q,
+        k_block=k_block,
+        v_block=v_block,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        req_to_token=table.to(table_dtype).to(DEV),
+        req_pool_indices=pools.to(table_dtype).to(DEV),
+        ctx_lens=lens.to(table_dtype).to(DEV),
+    )
+
+
+def _to_cpu(args: dict) -> dict:
+    return {k: v.cpu() for k, v in args.items()}
+
+
+ATTN_CASES = [
+    # bs, B, Hq, Hkv, D, ctx_lens, window, causal
+    (1, 16, 32, 8, 128, [1000], -1, False),
+    (3, 16, 8, 2, 128, [0, 37, 300], -1, False),
+    (2, 16, 4, 4, 64, [129, 64], -1, True),
+    (2, 8, 16, 2, 256, [50, 500], -1, False),
+    (4, 16, 32, 8, 128, [700, 1, 64, 2000], 64, False),
+    (2, 16, 8, 1, 128, [300, 5], 7, True),
+    (1, 4, 2, 1, 64, [3], 1, False),
+    (2, 1, 8, 8, 128, [100, 0], -1, True),
+    (5, 16, 64, 4, 64, [33, 1200, 0, 7, 515], 300, False),  # 256 query rows per kv head
+    (64, 16, 32, 8, 128, [40] * 64, -1, False),  # enough CTAs: no split
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", ATTN_CASES)
+def test_block_attention_matches_reference_and_cpu(case, dtype):
+    bs, block, hq, hkv, d, ctx_lens, window, causal = case
+    args = _attention_inputs(bs, block, hq, hkv, d, ctx_lens, dtype, seed=ATTN_CASES.index(case))
+    scale = d**-0.5
+    _poison_allocator()
+    out = ops.block_attention(**args, block_size=block, sm_scale=scale, window=window, causal_block=causal)
+    torch.cuda.synchronize()
+    assert out.dtype == dtype and out.shape == args["q"].shape
+    assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
+    ref = reference.block_attention(**args, block_size=block, sm_scale=scale, window=window, causal_block=causal)
+    assert _rel_err(out, ref) < TOL[dtype]
+    cpu = ops.block_attention(**_to_cpu(args), block_size=block, sm_scale=scale, window=window, causal_block=causal)
+    assert _rel_err(out, cpu) < TOL[dtype]
+
+
+def _cuda_views(args: dict) -> dict:
+    """The CPU test inputs on the GPU with the same layouts (q / k_block / v_block stay strided
+    views into one packed qkv tensor)."""
+    out, bases = {}, {}
+    for name, t in args.items():
+        base = t._base
+        if base is None:
+            out[name] = t.to(DEV)
+            continue
+        key = id(base)
+        if key not in bases:
+            bases[key] = base.to(DEV)
+        out[name] = bases[key].as_strided(t.shape, t.stride(), t.storage_offset())
+    return out
+
+
+def _cpu_grid():
+    try:
+        from tests.test_ops_block_attention import _grid_cases
+    except ImportError:  # run from elsewhere: the CPU grid is not importable
+        return []
+    return _grid_cases()
+
+
+@pytest.mark.parametrize("bs,block,hq,hkv,head_dim,ctx_lens,dtype,window,causal,seed", _cpu_grid())
+def test_block_attention_cpu_test_grid(bs, block, hq, hkv, head_dim, ctx_lens, dtype, window,
+                                       causal, seed):  # fmt: skip
+    """The CPU kernel's test grid (same inputs, same layouts): CUDA == reference == CPU twin."""
+    from sglang_dflash.ops.testing import make_attention_inputs
+
+    cpu_args = make_attention_inputs(
+        bs, block, hq, hkv, head_dim, ctx_lens, dtype, seed=seed,
+        table_dtype=torch.int64 if seed % 3 else torch.int32,
+    )  # fmt: skip
+    args = _cuda_views(cpu_args)
+    assert args["q"].stride() == cpu_args["q"].stride()
+    kwargs = dict(block_size=block, window=window, causal_block=causal)
+    _poison_allocator()
+    out = ops.block_attention(**args, **kwargs)
+    assert torch.isfinite(out).all()
+    assert _rel_err(out, reference.block_attention(**args, **kwargs)) < TOL[dtype]
+    assert _rel_err(out, ops.block_attention(**cpu_args, **kwargs)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_block_attention_generic_paths(d, table_dtype):
+    """Odd head_dim, unaligned views (the non-tensor-core kernel) and both index dtypes."""
+    for unaligned in (False, True):
+        args = _attention_inputs(
+            2, 16, 8, 2, d, [77, 600], torch.bfloat16, table_dtype, width=700, seed=d, unaligned=unaligned
+        )
+        _poison_allocator()
+        out = ops.block_attention(**args, block_size=16, window=-1)
+        ref = reference.block_attention(**args, block_size=16)
+        assert torch.isfinite(out).all()
+        assert _rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_block_attention_long_context_splits():
+    """A long context with bs x Hkv far below the SM count: the split + merge path."""
+    args = _attention_inputs(1, 16, 32, 8, 128, [32768], torch.bfloat16, width=40000, seed=3)
+    out = ops.block_attention(**args, block_size=16)
+    ref = reference.block_attention(**args, block_size=16)
+    assert _rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_block_attention_deterministic_and_graph_capture():
+    args = _attention_inputs(2, 16, 32, 8, 128, [900, 33], torch.bfloat16, width=1000, seed=11)
+    eager = ops.block_attention(**args, block_size=16, window=100, causal_block=True)
+    again = ops.block_attention(**args, block_size=16, window=100, causal_block=True)
+    assert torch.equal(eager, again)
+
+    static = {k: v.clone() for k, v in args.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (allocator, attributes) off the capture
+        ops.block_attention(**static, block_size=16, window=100, causal_block=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.block_attention(**static, block_size=16, window=100, causal_block=True)
+    # New data in the same buffers: the replay must see it.
+    fresh = _attention_inputs(2, 16, 32, 8, 128, [433, 500], torch.bfloat16, width=1000, seed=12)
+    for k in static:
+        static[k].copy_(fresh[k])
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = ops.block_attention(**fresh, block_size=16, window=100, causal_block=True)
+    assert torch.equal(captured, expected)
+
+
+def test_block_attention_validation_errors():
+    args = _attention_inputs(1, 4, 4, 2, 64, [10], torch.bfloat16)
+    with pytest.raises(ValueError, match="k_cache"):
+        bad = dict(args, k_cache=args["k_cache"].float())
+        ops.block_attention(**bad, block_size=4)
+    with pytest.raises(ValueError, match="window"):
+        ops.block_attention(**args, block_size=4, window=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# verify_block
+
+
+def _verify_inputs(bs, block, vocab, dtype, scale=3.0, seed=0, quantize=False):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(bs * block, vocab, generator=g) * scale
+    if quantize:  # many exact ties
+        logits = (logits * 2).round() / 2
+    logits = logits.to(dtype)
+    candidates = torch.randint(0, vocab, (bs, block), generator=g)
+    return logits, candidates
+
+
+def _params(bs, temperature, top_k, top_p, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    return (
+        torch.full((bs,), float(temperature)),
+        torch.full((bs,), int(top_k), dtype=torch.int32),
+        torch.full((bs,), float(top_p)),
+        torch.randint(0, 1 << 40, (bs,), generator=g),
+    )
+
+
+def _run_verify(device, candidates, logits, temp, topk, topp, seed, offsets):
+    out = ops.verify_block(
+        candidates.to(device),
+        logits.to(device),
+        temp.to(device),
+        topk.to(device),
+        topp.to(device),
+        seed,
+        offsets.to(device),
+    )
+    return [t.cpu() for t in out]
+
+
+def _row_tokens(device, logits, temp, topk, topp, seed, offsets):
+    """Every row's target token, as one request per row (B = 1: accept_len 0, bonus = token).
+
+    The noise stream of a row depends on its row index within the block, which is 0 here; the
+    block layout is covered by _block_outputs."""
+    n = logits.shape[0]
+    cand = torch.zeros(n, 1, dtype=torch.int64)
+    return _run_verify(device, cand, logits, temp, topk, topp, seed, offsets)[1]
+
+
+def _block_outputs(logits, temp, topk, topp, seed, offsets, block):
+    """CUDA and CPU outputs for blocks whose drafts agree with the spec's samples, so every row's
+    token shows up in out_tokens."""
+    bs = temp.numel()
+    y = reference.target_samples(
+        logits.to(DEV), temp.to(DEV), topk.to(DEV), topp.to(DEV), seed, offsets.to(DEV), block
+    ).cpu()
+    cand = torch.cat([torch.zeros(bs, 1, dtype=torch.int64), y[:, :-1]], dim=1)
+    gpu = _run_verify(DEV, cand, logits, temp, topk, topp, seed, offsets)
+    cpu = _run_verify("cpu", cand, logits, temp, topk, topp, seed, offsets)
+    return gpu, cpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 151936])
+def test_verify_greedy_bit_identical(dtype, vocab):
+    bs, block = 5, 16
+    logits, cand = _verify_inputs(bs, block, vocab, dtype, seed=vocab, quantize=True)
+    y = logits.float().argmax(-1).view(bs, block)
+    cand[:3, 1:] = y[:3, :-1]  # full accepts for some requests
+    cand[1, 5] = (cand[1, 5] + 1) % vocab if vocab > 1 else cand[1, 5]
+    temp, topk, topp, offs = _params(bs, 0.0, 0, 1.0)
+    _poison_allocator()
+    gpu = _run_verify(DEV, cand, logits, temp, topk, topp, 5, offs)
+    cpu = _run_verify("cpu", cand, logits, temp, topk, topp, 5, offs)
+    ref = reference.verify_block(cand, logits, temp, topk, topp, 5, offs)
+    for a, b, r in zip(gpu, cpu, ref, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(a, r.cpu())
+
+
+SAMPLING_CASES = [
+    # temperature, top_k, top_p, logit scale, vocab
+    (1.0, 0, 1.0, 3.0, 32000),  # temperature only
+    (0.7, 20, 1.0, 3.0, 151936),  # top-k, candidates in shared memory
+    (0.6, 20, 0.95, 5.0, 151936),  # Qwen3 defaults
+    (1.0, 0, 0.9, 8.0, 50000),  # top-p alone, peaked rows: shared memory
+    (1.0, 0, 0.99, 0.1, 50000),  # top-p alone, flat rows: the global-memory search
+    (0.9, 6000, 1.0, 1.0, 20000),  # top-k above the shared-memory capacity
+    (1.3, 50, 0.5, 2.0, 262144),  # the largest vocabulary
+    (0.5, 3, 0.8, 1.0, 97),  # tiny vocabulary, odd size
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", SAMPLING_CASES)
+def test_verify_sampling_matches_cpu(case, dtype):
+    temperature, top_k, top_p, scale, vocab = case
+    bs, block = 3, 8
+    logits, _ = _verify_inputs(bs, block, vocab, dtype, scale=scale, seed=vocab + top_k)
+    temp, topk, topp, offs = _params(bs, temperature, top_k, top_p, seed=top_k)
+    seed = 1234 + top_k
+    rep = lambda t: t.repeat_interleave(block)  # noqa: E731
+    _poison_allocator()
+    # Row by row. Documented tolerance: a row may differ only where float rounding of the top-p
+    # mass sums or of the noise's log lands exactly on a decision boundary; none is expected here.
+    rows = (logits, rep(temp), rep(topk), rep(topp), seed, rep(offs))
+    assert torch.equal(_row_tokens(DEV, *rows), _row_tokens("cpu", *rows))
+    # Whole blocks (row index i feeds the noise): identical accept results.
+    gpu, cpu = _block_outputs(logits, temp, topk, topp, seed, offs, block)
+    for a, b in zip(gpu, cpu, strict=True):
+        assert torch.equal(a, b), (gpu, cpu)
+    # The spec's sort-based top-p mask rounds differently; allow one boundary row.
+    assert int((gpu[0] == block - 1).sum()) >= bs - 1, gpu
+
+
+CPU_STOCHASTIC_CASES = [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 20, 1.0), (1.0, 0, 0.9), (0.8, 50, 0.5), (1.0, 1, 1.0),
+    (2.0, 0, 0.05), (1.0, 5000, 0.999),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", CPU_STOCHASTIC_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_cpu_test_cases(temperature, top_k, top_p, dtype):
+    """The CPU kernel's stochastic cases: CUDA == CPU twin == spec, every row compared."""
+    gen = torch.Generator().manual_seed(int(temperature * 100) + top_k)
+    bs, block, vocab = 3, 4, 1203
+    logits = (torch.randn(bs * block, vocab, generator=gen) * 3).to(dtype)
+    cand = torch.randint(0, vocab, (bs, block), generator=gen)
+    temp, topk, topp, _ = _params(bs, temperature, top_k, top_p)
+    offs = torch.arange(bs, dtype=torch.int64) * 1000 + 17
+    y = reference.target_samples(logits, temp, topk, topp, 99, offs, block)
+    cand[:, 1:] = y[:, :-1]
+    cand[0, 2] = (cand[0, 2] + 1) % vocab
+    gpu = _run_verify(DEV, cand, logits, temp, topk, topp, 99, offs)
+    cpu = _run_verify("cpu", cand, logits, temp, topk, topp, 99, offs)
+    ref = reference.verify_block(cand, logits, temp, topk, topp, 99, offs)
+    for a, b, r in zip(gpu, cpu, ref, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, r)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_verify_mixed_batch_and_masked_logits(masked):
+    """Greedy and sampled requests in one batch, negative offsets / seed / temperature, and rows
+    of mostly -inf logits (grammar masks)."""
+    gen = torch.Generator().manual_seed(4)
+    bs, block, vocab = 4, 4, 300
+    logits = torch.randn(bs * block, vocab, generator=gen)
+    if masked:
+        logits[torch.rand(bs * block, vocab, generator=gen) < 0.7] = float("-inf")
+        logits[0, :-1] = float("-inf")
+        logits[0, -1] = 0.5
+    cand = torch.randint(0, vocab, (bs, block), generator=gen)
+    temp = torch.tensor([0.0, 1.0, -1.0, 0.5])
+    topk = torch.tensor([0, 10, 3, 0], dtype=torch.int32)
+    topp = torch.tensor([1.0, 0.8, 0.1, 1.0])
+    offs = torch.tensor([5, 6, 7, -8])
+    gpu = _run_verify(DEV, cand, logits, temp, topk, topp, -3, offs)
+    cpu = _run_verify("cpu", cand, logits, temp, topk, topp, -3, offs)
+    for a, b in zip(gpu, cpu, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_verify_sampling_many_rows_rate():
+    """Many rows of realistic settings: CUDA and CPU row tokens agree on all but a tiny fraction."""
+    bs, block, vocab = 16, 16, 151936
+    logits, _ = _verify_inputs(bs, block, vocab, torch.bfloat16, scale=4.0, seed=99)
+    temp = torch.rand(bs) * 1.2 + 0.3
+    topk = torch.tensor([0, 20, 50, 0] * 4, dtype=torch.int32)
+    topp = torch.tensor([1.0, 0.95, 0.8, 0.9] * 4)
+    offs = torch.randint(0, 1 << 40, (bs,))
+    # One request per row (B = 1) so accept_len is 0 and bonus is that row's token.
+    cand = torch.randint(0, vocab, (bs * block, 1))
+    rep = lambda t: t.repeat_interleave(block)  # noqa: E731
+    args = (cand, logits, rep(temp), rep(topk), rep(topp), 77, rep(offs))
+    gpu = _run_verify(DEV, *args)
+    cpu = _run_verify("cpu", *args)
+    differ = int((gpu[1] != cpu[1]).sum())
+    assert differ <= max(1, bs * block // 500), f"{differ} of {bs * block} rows differ"
+
+
+def test_verify_unaligned_rows_and_strides():
+    bs, block, vocab = 2, 4, 5003
+    full, cand = _verify_inputs(bs, block, vocab + 1, torch.bfloat16, seed=5)
+    logits = full[:, 1:]  # rows start 2 bytes past a 16-byte boundary, row stride odd
+    cand = cand.clamp_max(vocab - 1)
+    for temperature, top_k, top_p in [(0.0, 0, 1.0), (0.8, 10, 0.9), (1.0, 0, 1.0)]:
+        temp, topk, topp, offs = _params(bs, temperature, top_k, top_p)
+        gpu = _run_verify(DEV, cand, logits, temp, topk, topp, 3, offs)
+        cpu = _run_verify("cpu", cand, logits.contiguous(), temp, topk, topp, 3, offs)
+        for a, b in zip(gpu, cpu, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_verify_graph_capture_and_determinism():
+    bs, block, vocab = 4, 16, 32000
+    logits, cand = _verify_inputs(bs, block, vocab, torch.float32, seed=8)
+    temp = torch.tensor([0.0, 0.7, 1.0, 0.5])
+    topk = torch.tensor([0, 20, 0, 100], dtype=torch.int32)
+    topp = torch.tensor([1.0, 0.9, 1.0, 0.8])
+    offs = torch.tensor([3, 1 << 35, 77, 0])
+    static = [t.to(DEV) for t in (cand, logits, temp, topk, topp, offs)]
+    first = ops.verify_block(*static[:5], 42, static[5])
+    second = ops.verify_block(*static[:5], 42, static[5])
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.verify_block(*static[:5], 42, static[5])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.verify_block(*static[:5], 42, static[5])
+    fresh, _ = _verify_inputs(bs, block, vocab, torch.float32, seed=9)
+    static[1].copy_(fresh.to(DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = ops.verify_block(*static[:5], 42, static[5])
+    for a, b in zip(captured, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("flat", [False, True])
+def test_verify_from_ids_matches_cpu(ids_dtype, flat):
+    bs, block = 9, 16
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 5, (bs, block), generator=g)
+    cand = torch.randint(0, 5, (bs, block), generator=g)
+    cand[::2, 1:] = ids[::2, :-1]
+    target = (ids.reshape(-1) if flat else ids).to(ids_dtype)
+    gpu = [t.cpu() for t in ops.verify_block_from_ids(cand.to(DEV), target.to(DEV))]
+    cpu = ops.verify_block_from_ids(cand, target)
+    ref = reference.verify_block_from_ids(cand, target)
+    for a, b, r in zip(gpu, cpu, ref, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, r)
+
+
+def test_verify_empty_batch():
+    cand = torch.empty(0, 4, dtype=torch.int64, device=DEV)
+    logits = torch.empty(0, 10, device=DEV)
+    temp, topk, topp, offs = (t[:0].to(DEV) for t in _params(1, 1.0, 0, 1.0))
+    acc, bonus, out = ops.verify_block(cand, logits, temp, topk, topp, 0, offs)
+    assert acc.shape == (0,) and out.shape == (0, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Out-of-range indices trap on the device (in a child process: a trap ends the CUDA context).
+
+_TRAP_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from sglang_dflash import ops
+    what = {what!r}
+    dev = "cuda"
+    if what == "slot":
+        q = torch.randn(4, 2, 64, device=dev, dtype=torch.bfloat16)
+        kv = torch.randn(4, 1, 64, device=dev, dtype=torch.bfloat16)
+        cache = torch.randn(10, 1, 64, device=dev, dtype=torch.bfloat16)
+        table = torch.tensor([[0, 1, 99]], device=dev, dtype=torch.int32)
+        ops.block_attention(q, kv, kv, cache, cache, table, torch.tensor([0], device=dev),
+                            torch.tensor([3], device=dev), 4)
+    else:
+        cand = torch.tensor([[1, 2, 500]], device=dev)
+        logits = torch.randn(3, 10, device=dev)
+        ops.verify_block(cand, logits, torch.zeros(1, device=dev),
+                         torch.zeros(1, dtype=torch.int32, device=dev), torch.ones(1, device=dev),
+                         0, torch.zeros(1, dtype=torch.int64, device=dev))
+    torch.cuda.synchronize()
+    print("NO TRAP")
+    """
+)
+
+
+@pytest.mark.parametrize("what", ["slot", "candidate"])
+def test_out_of_range_indices_trap(what):
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRAP_SCRIPT.format(what=what)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
+    assert proc.returncode != 0 and "NO TRAP" not in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_module_constants_sane():
+    # Gumbel noise is bounded as sampling.h says, so the pruning in both twins is exact.
+    assert -math.log(-math.log(1 - 2.0**-24)) < 16.7
