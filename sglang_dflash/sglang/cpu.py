@@ -1,0 +1,199 @@
+"""DFLASH on CPU: the hooks that let SGLang 0.5.23 run DFLASH with `--device cpu`.
+
+Stock SGLang refuses it in three places; each hook changes only the CPU case and leaves every
+other device to SGLang:
+
+1. `speculative_hook._handle_dflash` rejects `device == "cpu"`: during that call the module's
+   `current_platform` is seen through a view that declares DFLASH supported (the path SGLang
+   offers out-of-tree platforms); everything else about the platform is unchanged.
+2. `speculative_hook._resolve_dflash_draft_attention_backend` (argument resolution) and
+   `draft_worker_common.resolve_draft_worker_attention_backend` (the scheduler) only accept GPU
+   backends for the draft and fall back to flashinfer: on CPU the draft gets `torch_native`.
+3. `TorchNativeAttnBackend.forward_extend` has no TARGET_VERIFY path: on CPU DFLASH's (the
+   target's verify, causal among the block rows; the draft's block forward, non-causal, when its
+   layers are not already swapped by `attention.install_draft_attention`) run our
+   `block_attention` kernel over the paged KV pool plus the block's own K/V.
+
+4. `ModelRunner._extend_forward_kwargs` hands a model its `input_embeds` cast to bfloat16 (the
+   draft gets the target's embeddings that way): on CPU they keep the model's dtype (fp32 here).
+5. DFlashWorkerV2 calls `Tensor.record_stream` on its CPU tensors: a no-op there
+   (`install_torch_cpu_shims`, installed by the worker on CPU).
+
+The `*_cpu` index / copy ops SGLang's CPU path imports from `sgl_kernel` come from the stand-in
+that scripts/install_sglang_cpu.sh writes (or a CPU build of sgl-kernel).
+
+Registered by `plugin.register()` only when SGLANG_USE_CPU_ENGINE=1 (SGLang's switch for CPU
+serving), so GPU processes never import this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+logger = logging.getLogger(__name__)
+
+HANDLE_DFLASH = "sglang.srt.arg_groups.speculative_hook._handle_dflash"
+RESOLVE_DRAFT_BACKEND = "sglang.srt.arg_groups.speculative_hook._resolve_dflash_draft_attention_backend"
+DRAFT_WORKER_BACKEND = "sglang.srt.speculative.draft_worker_common.resolve_draft_worker_attention_backend"
+EXTEND_KWARGS = "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs"
+TORCH_NATIVE_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
+CPU_DRAFT_BACKEND = "torch_native"
+
+HOOKS = ()  # filled below: (target, hook) pairs, all AROUND
+
+
+def _device(server_args) -> str | None:
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    return resolving_view(server_args).device
+
+
+class _DFlashCapablePlatform:
+    """The current platform, but answering that it supports DFLASH (used only during the gate)."""
+
+    def __init__(self, platform):
+        self._platform = platform
+
+    def __getattr__(self, name):
+        return getattr(self._platform, name)
+
+    def is_out_of_tree(self) -> bool:
+        return True
+
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        return algorithm == "DFLASH" or self._platform.supports_speculative_algorithm(algorithm)
+
+
+@contextlib.contextmanager
+def _platform_supports_dflash(module):
+    saved = module.current_platform
+    module.current_platform = _DFlashCapablePlatform(saved)
+    try:
+        yield
+    finally:
+        module.current_platform = saved
+
+
+def _handle_dflash_around(original, server_args, *args, **kwargs):
+    if _device(server_args) != "cpu":
+        return original(server_args, *args, **kwargs)
+    import sglang.srt.arg_groups.speculative_hook as hook_module
+
+    # The draft-backend resolution that _handle_dflash calls is hooked separately (below), so
+    # the platform view only decides the device gate.
+    with _platform_supports_dflash(hook_module):
+        result = original(server_args, *args, **kwargs)
+    # As SGLang does for its other speculative algorithms on CPU.
+    disable_overlap = getattr(hook_module, "_disable_overlap_schedule_for_cpu", None)
+    if disable_overlap is not None:
+        disable_overlap(server_args)
+    logger.info("sglang-dflash: DFLASH enabled on device cpu (sglang_dflash CPU kernels)")
+    return result
+
+
+def _resolve_draft_backend_around(original, server_args, *args, **kwargs):
+    if _device(server_args) != "cpu":
+        return original(server_args, *args, **kwargs)
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    asked = resolving_view(server_args).speculative_draft_attention_backend
+    if asked not in (None, CPU_DRAFT_BACKEND):
+        logger.warning(
+            "sglang-dflash: DFLASH draft attention backend %r does not run on CPU; using %r",
+            asked,
+            CPU_DRAFT_BACKEND,
+        )
+    declare_resolution(
+        server_args,
+        "_resolve_dflash_draft_attention_backend",
+        speculative_draft_attention_backend=CPU_DRAFT_BACKEND,
+    )
+    return None
+
+
+def _draft_worker_backend_around(original, *args, **kwargs):
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.utils import is_cpu
+
+    # Only for the DFLASH draft whose backend our argument hook resolved to torch_native.
+    if (
+        is_cpu()
+        and kwargs.get("algo_label") in (None, "DFLASH")
+        and get_spec().speculative_draft_attention_backend == CPU_DRAFT_BACKEND
+    ):
+        return CPU_DRAFT_BACKEND
+    return original(*args, **kwargs)
+
+
+def _extend_kwargs_around(original, runner, forward_batch, *args, **kwargs):
+    result = original(runner, forward_batch, *args, **kwargs)
+    embeds = result.get("input_embeds") if isinstance(result, dict) else None
+    given = getattr(forward_batch, "input_embeds", None)
+    dtype = getattr(runner, "dtype", None)
+    if (
+        embeds is not None
+        and given is not None
+        and given.device.type == "cpu"
+        and dtype is not None
+        and embeds.dtype != dtype
+        and getattr(forward_batch, "replace_embeds", None) is None
+    ):
+        result["input_embeds"] = given.to(dtype)
+    return result
+
+
+def _torch_native_extend_around(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
+    from sglang_dflash.sglang.attention import covers, paged_block_attention
+
+    pool = backend.token_to_kv_pool
+    if kw or not covers(layer, forward_batch, q, pool.get_key_buffer(layer.layer_id)):
+        # Not a DFLASH block (e.g. an EAGLE/NGRAM tree with a custom mask): SGLang's own path.
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
+    return paged_block_attention(
+        q, k, v, layer, forward_batch, kv_pool=pool, req_to_token=backend.req_to_token_pool.req_to_token,
+        swa_loc=backend.swa_out_cache_loc, save_kv_cache=save_kv_cache,
+    )
+
+
+HOOKS = (
+    (HANDLE_DFLASH, _handle_dflash_around),
+    (RESOLVE_DRAFT_BACKEND, _resolve_draft_backend_around),
+    (DRAFT_WORKER_BACKEND, _draft_worker_backend_around),
+    (EXTEND_KWARGS, _extend_kwargs_around),
+    (TORCH_NATIVE_EXTEND, _torch_native_extend_around),
+)
+
+
+_torch_shims_installed = False
+
+
+def install_torch_cpu_shims() -> None:
+    """`Tensor.record_stream` on a CPU tensor: a no-op (CPU memory is not stream-ordered).
+
+    DFlashWorkerV2 calls `batch.seq_lens.record_stream(current_stream())` on every decode step;
+    with CPU tensors and torch's CPU stream torch raises "unknown parameter type". Installed by
+    the worker, in the scheduler process, on CPU only; other tensors keep torch's method.
+    """
+    global _torch_shims_installed
+    if _torch_shims_installed:
+        return
+    import torch
+
+    original = torch.Tensor.record_stream
+
+    def record_stream(self, stream):
+        if self.device.type == "cpu":
+            return None
+        return original(self, stream)
+
+    record_stream.__wrapped__ = original
+    torch.Tensor.record_stream = record_stream
+    _torch_shims_installed = True
+
+
+def register_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in HOOKS:
+        HookRegistry.register(target, hook, HookType.AROUND)

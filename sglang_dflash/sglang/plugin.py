@@ -1,0 +1,168 @@
+"""The SGLang plugin: makes `--speculative-algorithm dflash` run sglang-dflash's worker.
+
+Entry point (group `sglang.srt.plugins`): `sglang_dflash = "sglang_dflash.sglang.plugin:register"`.
+SGLang's `load_plugins()` calls `register()` in every SGLang process (launch_server, the HTTP
+server, each spawned scheduler, `sgl.Engine`). `register()` adds an AROUND hook on
+`SpeculativeAlgorithm.create_worker` through SGLang's `HookRegistry`: when the algorithm is DFLASH
+the hook returns `sglang_dflash.sglang.worker.DFlashKernelWorker` (a subclass of SGLang's own
+`DFlashWorkerV2`), otherwise it calls the original.
+
+This module imports nothing heavy at import time (no torch, no SGLang, no extension): the worker
+module is imported inside the hook, i.e. only in the scheduler process that builds the worker.
+
+Environment:
+  SGLANG_DFLASH_DISABLE=1  the plugin registers nothing; DFLASH runs SGLang's built-in worker.
+  SGLANG_DFLASH_STRICT=1   an incompatible SGLang (version or a missing seam) or a worker that
+                           cannot be loaded raises IncompatibleSGLangError when the DFLASH worker
+                           is created (the server refuses to start), instead of falling back to the
+                           built-in worker with a warning. SGLang only logs errors raised inside
+                           plugins, so the check runs in the hook, where an exception propagates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+HOOK_TARGET = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
+# The SGLang releases whose internals the worker was checked against (docs/sglang.md lists them).
+SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+ENV_DISABLE = "SGLANG_DFLASH_DISABLE"
+ENV_STRICT = "SGLANG_DFLASH_STRICT"
+
+_registered = False
+_logged_worker = False
+
+
+class IncompatibleSGLangError(RuntimeError):
+    """The installed SGLang does not have what sglang-dflash's worker relies on."""
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_disabled() -> bool:
+    return _flag(ENV_DISABLE)
+
+
+def is_strict() -> bool:
+    return _flag(ENV_STRICT)
+
+
+def sglang_version() -> str | None:
+    """The installed SGLang's version, read from its metadata (imports nothing)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_problem() -> str | None:
+    """Why the installed SGLang version is not supported, or None when it is."""
+    version = sglang_version()
+    if version is None:
+        return "SGLang is not installed"
+    if version.split("+")[0] not in SUPPORTED_SGLANG_VERSIONS:
+        return (
+            f"SGLang {version} is not a version sglang-dflash was checked against "
+            f"({', '.join(SUPPORTED_SGLANG_VERSIONS)})"
+        )
+    return None
+
+
+def register() -> None:
+    """Entry point: register the AROUND hook on SpeculativeAlgorithm.create_worker."""
+    global _registered
+    if is_disabled():
+        logger.info("sglang-dflash: %s=1, plugin off; DFLASH uses SGLang's built-in worker", ENV_DISABLE)
+        return
+    if _registered:
+        return
+    problem = version_problem()
+    if problem is not None and not is_strict():
+        logger.warning(
+            "sglang-dflash: %s; plugin off, DFLASH uses SGLang's built-in worker "
+            "(set %s=1 to make this an error)",
+            problem,
+            ENV_STRICT,
+        )
+        return
+    # In strict mode an incompatible SGLang still gets the hook: it raises when the DFLASH worker
+    # is created, where SGLang does not swallow the exception.
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(HOOK_TARGET, _create_worker_around, HookType.AROUND)
+    if _flag("SGLANG_USE_CPU_ENGINE") and problem is None:
+        from sglang_dflash.sglang import cpu
+
+        cpu.register_hooks()
+    _registered = True
+    logger.debug("sglang-dflash: registered an AROUND hook on %s", HOOK_TARGET)
+
+
+def select_worker_class():
+    """Our DFLASH worker class, after checking the SGLang version and the seams it relies on.
+
+    Raises IncompatibleSGLangError naming every problem found.
+    """
+    problem = version_problem()
+    if problem is not None:
+        raise IncompatibleSGLangError(problem)
+    try:
+        from sglang_dflash.sglang import worker
+    except Exception as exc:  # an SGLang without the classes we subclass, or no extension
+        raise IncompatibleSGLangError(f"cannot import sglang_dflash.sglang.worker: {exc!r}") from exc
+    problems = worker.compatibility_problems()
+    if problems:
+        raise IncompatibleSGLangError("; ".join(problems))
+    return worker.DFlashKernelWorker
+
+
+def _is_dflash(algo) -> bool:
+    try:
+        return bool(algo.is_dflash())
+    except Exception:
+        return False
+
+
+def _create_worker_around(original, algo, *args, **kwargs):
+    """AROUND hook on SpeculativeAlgorithm.create_worker(self, server_args)."""
+    if not _is_dflash(algo) or is_disabled():
+        return original(algo, *args, **kwargs)
+    # An out-of-tree platform that brings its own DFLASH worker keeps it.
+    get_platform_worker_cls = getattr(algo, "get_platform_worker_cls", None)
+    if get_platform_worker_cls is not None and get_platform_worker_cls() is not None:
+        return original(algo, *args, **kwargs)
+    try:
+        cls = select_worker_class()
+    except IncompatibleSGLangError as exc:
+        if is_strict():
+            raise
+        logger.warning(
+            "sglang-dflash: %s; DFLASH falls back to SGLang's built-in worker "
+            "(set %s=1 to make this an error)",
+            exc,
+            ENV_STRICT,
+        )
+        return original(algo, *args, **kwargs)
+    _log_worker(cls, args[0] if args else kwargs.get("server_args"))
+    return cls
+
+
+def _log_worker(cls, server_args) -> None:
+    global _logged_worker
+    if _logged_worker:
+        return
+    _logged_worker = True
+    logger.info(
+        "sglang-dflash: speculative algorithm DFLASH runs worker %s.%s (SGLang %s, device %s)",
+        cls.__module__,
+        cls.__qualname__,
+        sglang_version(),
+        getattr(server_args, "device", None),
+    )

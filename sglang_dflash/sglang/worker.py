@@ -1,0 +1,286 @@
+"""DFlashKernelWorker: SGLang's DFLASH worker with sglang-dflash's verify kernels.
+
+A subclass of SGLang's `DFlashWorkerV2` (sglang/srt/speculative/dflash_worker_v2.py) that keeps
+everything of SGLang's DFLASH (argument handling, hidden-state capture, KV sizing, overlap
+scheduling, TP, CUDA graphs) and overrides one seam, `_accept_block`, with our `verify_block`
+kernels (DESIGN.md section 3.2):
+
+- greedy with the target's argmax ids (SGLang's deferred-argmax path): `verify_block_from_ids`;
+- greedy with logits: `verify_block` at temperature 0, i.e. the argmax fused into the accept scan
+  (with TP sync on, the argmax ids are computed and broadcast first, as SGLang does);
+- sampling (temperature / top-k / top-p per request): `verify_block`'s Gumbel-max sampling, one
+  pass over the logits with no dense probability tensor. Noise is keyed by (seed, offset, row, id):
+  the seed is the server's `random_seed`; a request's offset is derived from its `sampling_seed`
+  and current length under deterministic inference, otherwise from a step counter and its row,
+  so that it never repeats across steps.
+
+Results go into SGLang's double-buffered outputs (`_next_accept_bonus_buffers`), and the decisions
+are broadcast from TP rank 0 at the same `SpecTpSyncSite`s SGLang uses. The parent handles what
+this class does not: selector / LiLiCorr (DFlash2) drafts, `SGLANG_SIMULATE_ACC_LEN`, non-default
+acceptance thresholds, devices our extension has no kernels for.
+
+Imported lazily by `plugin.py`, in the scheduler process only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+from sglang.srt.speculative import dflash_worker_v2 as _sgl_worker
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite
+
+logger = logging.getLogger(__name__)
+
+ACCEPT_BLOCK_KWARGS = (
+    "candidates",
+    "next_token_logits",
+    "sampling_info",
+    "draft_input",
+    "prefix_lens",
+    "bs",
+    "target_predict",
+)
+_GREEDY_SITE = "DFLASH_ACCEPT_GREEDY"
+_SAMPLE_SITE = "DFLASH_ACCEPT_SAMPLE"
+# Odd 64-bit constant (golden ratio) that spreads sampling seeds over the offset space.
+_SEED_MIX = 0x9E3779B97F4A7C15 - (1 << 64)
+# Offsets of the step counter: row b of step s gets s * 2^20 + b (batches are far below 2^20).
+_STEP_SHIFT = 20
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def compatibility_problems() -> list[str]:
+    """What the installed SGLang lacks of the seams this worker relies on (empty: all there)."""
+    problems = []
+    accept = getattr(DFlashWorkerV2, "_accept_block", None)
+    if accept is None:
+        problems.append("DFlashWorkerV2._accept_block is missing")
+    else:
+        params = inspect.signature(accept).parameters
+        missing = [
+            n for n in ACCEPT_BLOCK_KWARGS
+            if n not in params or params[n].kind is not inspect.Parameter.KEYWORD_ONLY
+        ]
+        if missing:
+            problems.append(f"DFlashWorkerV2._accept_block lacks keyword-only arguments {missing}")
+    for name in ("_next_accept_bonus_buffers", "_validate_phase1_sampling_support"):
+        if not hasattr(DFlashWorkerV2, name):
+            problems.append(f"DFlashWorkerV2.{name} is missing")
+    for site in (_GREEDY_SITE, _SAMPLE_SITE):
+        if not hasattr(SpecTpSyncSite, site):
+            problems.append(f"SpecTpSyncSite.{site} is missing")
+    for name in ("sync", "enabled"):
+        if not callable(getattr(SpecTpSync, name, None)):
+            problems.append(f"SpecTpSync.{name} is missing")
+    for name in ("SIMULATE_ACC_LEN", "_is_all_greedy"):
+        if not hasattr(_sgl_worker, name):
+            problems.append(f"sglang.srt.speculative.dflash_worker_v2.{name} is missing")
+    try:
+        from sglang_dflash._extension import ops
+
+        for op in ("verify_block", "verify_block_from_ids"):
+            if not hasattr(ops(), op):
+                problems.append(f"the sglang_dflash extension has no op {op}")
+    except Exception as exc:
+        problems.append(f"the sglang_dflash extension cannot be loaded: {exc}")
+    return problems
+
+
+def kernels_cover(device: torch.device) -> bool:
+    """Whether our extension has verify kernels for tensors on `device`."""
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        from sglang_dflash._extension import has_cuda_kernels
+
+        return has_cuda_kernels()
+    return False
+
+
+def commit_tokens(candidates: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """SGLang's committed-block layout: accepted drafts, the bonus, then zeros. int64 [bs, B]."""
+    bs, block = candidates.shape
+    cols = torch.arange(block, device=candidates.device)
+    acc = accept_len.to(torch.int64)[:, None]
+    drafts = torch.zeros_like(candidates, dtype=torch.int64)
+    drafts[:, : block - 1] = candidates[:, 1:]
+    out = torch.where(cols[None, :] < acc, drafts, torch.zeros_like(drafts))
+    out.scatter_(1, acc, bonus.to(torch.int64)[:, None])
+    return out
+
+
+class DFlashKernelWorker(DFlashWorkerV2):
+    """SGLang's DFlashWorkerV2 with `_accept_block` running sglang-dflash's verify kernels."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._check_draft_matches_target()
+        self._init_dflash_kernels(self.server_args)
+        if torch.device(self.device).type == "cpu":
+            from sglang_dflash.sglang.cpu import install_torch_cpu_shims
+
+            install_torch_cpu_shims()
+        from sglang_dflash.sglang.attention import draft_attention_wanted, install_draft_attention
+
+        if draft_attention_wanted(self.device):
+            n_layers = install_draft_attention(self)
+            logger.info("sglang-dflash: %d draft attention layers run block_attention in TARGET_VERIFY", n_layers)
+
+    def _check_draft_matches_target(self) -> None:
+        """Refuse a drafter whose hidden size is not the target's, at startup, with a clear message.
+
+        The draft reads the target's embeddings and its outputs go through the target's lm_head,
+        so the sizes must agree; SGLang itself only notices at the first request.
+        """
+        target_hidden = getattr(getattr(self.model_runner, "model_config", None), "hidden_size", None)
+        draft_config = getattr(self.draft_model, "config", None)
+        draft_hidden = getattr(draft_config, "hidden_size", None)
+        if target_hidden is not None and draft_hidden is not None and int(draft_hidden) != int(target_hidden):
+            raise ValueError(
+                f"DFLASH drafter hidden size {draft_hidden} does not match the target's hidden size "
+                f"{target_hidden} ({self.server_args.speculative_draft_model_path}): the drafter must be "
+                "trained for this target"
+            )
+
+    def _init_dflash_kernels(self, server_args) -> None:
+        seed = getattr(server_args, "random_seed", None)
+        self._dflash_seed = int(seed) if seed is not None else 0
+        self._dflash_step = 0
+        self._dflash_thresholds = (
+            float(getattr(server_args, "speculative_accept_threshold_single", 1.0) or 1.0),
+            float(getattr(server_args, "speculative_accept_threshold_acc", 1.0) or 1.0),
+        )
+        self._dflash_logged = False
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def _kernel_sampling_ok(self, device: torch.device) -> bool:
+        """Whether sampled verification runs on our kernels (lossless rule, covered device)."""
+        return (
+            getattr(self, "_selector_sample", None) is None
+            and getattr(self, "selector", None) is None
+            and getattr(self, "lilicorr", None) is None
+            and self._dflash_thresholds == (1.0, 1.0)
+            and kernels_cover(device)
+        )
+
+    def _validate_phase1_sampling_support(self, batch) -> None:
+        # SGLang warns that sampled verification falls back to greedy where its sampling op is
+        # missing (CPU); ours samples there, so only defer to it for what we do not cover.
+        if self._kernel_sampling_ok(torch.device(self.device)):
+            return
+        super()._validate_phase1_sampling_support(batch)
+
+    def _accept_block(
+        self,
+        *,
+        candidates: torch.Tensor,
+        next_token_logits: torch.Tensor | None,
+        sampling_info,
+        draft_input,
+        prefix_lens: torch.Tensor,
+        bs: int,
+        target_predict: torch.Tensor | None = None,
+    ):
+        def parent():
+            return super(DFlashKernelWorker, self)._accept_block(
+                candidates=candidates,
+                next_token_logits=next_token_logits,
+                sampling_info=sampling_info,
+                draft_input=draft_input,
+                prefix_lens=prefix_lens,
+                bs=bs,
+                target_predict=target_predict,
+            )
+
+        if (
+            getattr(self, "_selector_sample", None) is not None
+            or _sgl_worker.SIMULATE_ACC_LEN > 0
+            or not kernels_cover(candidates.device)
+        ):
+            return parent()
+
+        from sglang_dflash import ops
+
+        block = int(self.block_size)
+        cands = candidates.to(torch.int64).contiguous()
+        greedy_site = getattr(SpecTpSyncSite, _GREEDY_SITE)
+        sample_site = getattr(SpecTpSyncSite, _SAMPLE_SITE)
+
+        if target_predict is not None or _sgl_worker._is_all_greedy(sampling_info):
+            if target_predict is None and self._tp_sync.enabled(greedy_site):
+                # Keep SGLang's convention: rank 0's argmax ids are what every rank accepts.
+                target_predict = torch.argmax(next_token_logits, dim=-1)
+            if target_predict is not None:
+                target_predict = target_predict.view(bs, block)
+                self._tp_sync.sync(greedy_site, target_predict)
+                accept_len, bonus, out = ops.verify_block_from_ids(cands, target_predict)
+            else:
+                logits = next_token_logits
+                if logits.dtype not in _LOGIT_DTYPES:
+                    return parent()
+                dev = logits.device
+                accept_len, bonus, out = ops.verify_block(
+                    cands,
+                    logits.contiguous(),
+                    torch.zeros(bs, dtype=torch.float32, device=dev),
+                    torch.zeros(bs, dtype=torch.int32, device=dev),
+                    torch.ones(bs, dtype=torch.float32, device=dev),
+                    0,
+                    torch.zeros(bs, dtype=torch.int64, device=dev),
+                )
+        else:
+            logits = next_token_logits
+            if not self._kernel_sampling_ok(cands.device) or logits.dtype not in _LOGIT_DTYPES:
+                return parent()
+            temperature, top_k, top_p, offsets = self._sampling_args(sampling_info, prefix_lens, bs)
+            accept_len, bonus, out = ops.verify_block(
+                cands, logits.contiguous(), temperature, top_k, top_p, self._dflash_seed, offsets
+            )
+            if self._tp_sync.enabled(sample_site):
+                self._tp_sync.sync(sample_site, accept_len)
+                self._tp_sync.sync(sample_site, bonus)
+                out = None  # rank 0's decisions may differ from this rank's: rebuild the tokens
+
+        if not self._dflash_logged:
+            self._dflash_logged = True
+            logger.info("sglang-dflash: first verify on %s ran sglang_dflash kernels", cands.device)
+        return self._store_accept(cands, accept_len, bonus, out, prefix_lens, bs)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _sampling_args(self, sampling_info, prefix_lens: torch.Tensor, bs: int):
+        """verify_block's per-request temperature, top_k, top_p and offsets from SGLang's batch."""
+        dev = prefix_lens.device
+        top_k = sampling_info.top_ks.reshape(-1).to(device=dev, dtype=torch.int32)
+        temperature = sampling_info.temperatures.reshape(-1).to(device=dev, dtype=torch.float32)
+        # SGLang marks greedy requests as temperature 1, top_k 1: make them exact argmax rows
+        # (lowest id on ties) instead of a sample over a tied top-1 set.
+        temperature = torch.where(top_k == 1, torch.zeros_like(temperature), temperature)
+        top_p = sampling_info.top_ps.reshape(-1).to(device=dev, dtype=torch.float32)
+        seeds = getattr(sampling_info, "sampling_seed", None)
+        if seeds is not None:
+            # Deterministic inference: reproducible per request; the length grows every step.
+            offsets = seeds.reshape(-1).to(device=dev, dtype=torch.int64) * _SEED_MIX
+            offsets = offsets + prefix_lens.to(torch.int64)
+        else:
+            offsets = torch.arange(bs, dtype=torch.int64, device=dev) + (self._dflash_step << _STEP_SHIFT)
+        self._dflash_step += 1
+        return temperature, top_k, top_p, offsets
+
+    def _store_accept(self, cands, accept_len, bonus, out, prefix_lens, bs):
+        """Write the decisions into SGLang's (overlap-safe) accept buffers and return them."""
+        acc_buf, commit_buf, bonus_buf, out_buf, seq_buf = self._next_accept_bonus_buffers(bs)
+        acc_buf.copy_(accept_len)
+        torch.add(acc_buf, 1, out=commit_buf)
+        bonus_buf.copy_(bonus)
+        if out is None:
+            out_buf.copy_(commit_tokens(cands, accept_len, bonus))
+        else:  # ours ends with -1 after the bonus; SGLang's with 0
+            torch.clamp(out, min=0, out=out_buf)
+        torch.add(prefix_lens.to(seq_buf.dtype), commit_buf.to(seq_buf.dtype), out=seq_buf)
+        return acc_buf, commit_buf, bonus_buf, out_buf, seq_buf
+

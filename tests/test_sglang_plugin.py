@@ -1,0 +1,620 @@
+"""The SGLang plugin and worker, against a real SGLang 0.5.23 (no mocks of SGLang).
+
+Skipped when SGLang is not installed (install it with `scripts/install_sglang_cpu.sh VENV`).
+The plugin is loaded through SGLang's own `load_plugins()`; when the package's entry point is not
+installed (a checkout on PYTHONPATH), a temporary distribution that declares it is put on
+sys.path. SGLang's global plugin state is saved and restored around every test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip(
+        "SGLang is not installed (scripts/install_sglang_cpu.sh VENV installs it beside the package)",
+        allow_module_level=True,
+    )
+
+import torch  # noqa: E402
+from scipy import stats  # noqa: E402
+
+from sglang_dflash.ops import reference  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EP_GROUP = "sglang.srt.plugins"
+EP_VALUE = "sglang_dflash.sglang.plugin:register"
+LOGGER = "sglang_dflash.sglang.plugin"
+
+
+# -- the plugin module is import-light -------------------------------------------------------
+
+
+def test_plugin_module_imports_nothing_heavy():
+    code = (
+        "import sys, sglang_dflash.sglang, sglang_dflash.sglang.plugin as p\n"
+        "assert callable(p.register)\n"
+        "heavy = sorted(m for m in ('torch', 'sglang', 'sglang_dflash._C', 'sglang_dflash.sglang.worker')"
+        " if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+
+
+# -- registration through load_plugins() ----------------------------------------------------
+
+
+def _entry_point_installed() -> bool:
+    return any(ep.value == EP_VALUE for ep in metadata.entry_points(group=EP_GROUP))
+
+
+@pytest.fixture
+def sglang_plugins(tmp_path, monkeypatch):
+    """SGLang's plugin machinery with our entry point discoverable, restored afterwards."""
+    import sglang.srt.plugins as sgl_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    import sglang_dflash.sglang.plugin as plugin
+
+    if not _entry_point_installed():
+        dist = tmp_path / "sglang_dflash_entry_point-0.0.0.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-dflash-entry-point\nVersion: 0.0.0\n")
+        (dist / "entry_points.txt").write_text(f"[{EP_GROUP}]\nsglang_dflash = {EP_VALUE}\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+    for var in (plugin.ENV_DISABLE, plugin.ENV_STRICT, "SGLANG_PLUGINS", "SGLANG_USE_CPU_ENGINE"):
+        monkeypatch.delenv(var, raising=False)
+
+    import pkgutil
+
+    from sglang_dflash.sglang import cpu
+
+    saved_attrs = []
+    for target in [plugin.HOOK_TARGET] + [t for t, _ in cpu.HOOKS]:
+        owner_path, name = target.rsplit(".", 1)
+        owner = pkgutil.resolve_name(owner_path)
+        saved_attrs.append((owner, name, owner.__dict__[name]))
+    saved_hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    saved_patched = set(HookRegistry._patched)
+    saved_loaded = sgl_plugins._plugins_loaded
+    saved_plugin = (plugin._registered, plugin._logged_worker, plugin.SUPPORTED_SGLANG_VERSIONS)
+    sgl_plugins._plugins_loaded = False
+    HookRegistry.reset()
+    plugin._registered = False
+    plugin._logged_worker = False
+    try:
+        yield types.SimpleNamespace(
+            load_plugins=sgl_plugins.load_plugins,
+            HookRegistry=HookRegistry,
+            SpeculativeAlgorithm=SpeculativeAlgorithm,
+            plugin=plugin,
+        )
+    finally:
+        for owner, name, value in saved_attrs:
+            setattr(owner, name, value)
+        HookRegistry.reset()
+        HookRegistry._hooks.update(saved_hooks)
+        HookRegistry._patched.update(saved_patched)
+        sgl_plugins._plugins_loaded = saved_loaded
+        plugin._registered, plugin._logged_worker, plugin.SUPPORTED_SGLANG_VERSIONS = saved_plugin
+
+
+def _our_hooks(registry):
+    from sglang_dflash.sglang.plugin import HOOK_TARGET, _create_worker_around
+
+    return [h for _, h, _ in registry._hooks.get(HOOK_TARGET, []) if h is _create_worker_around]
+
+
+def _server_args():
+    return types.SimpleNamespace(device="cpu")
+
+
+def test_load_plugins_makes_dflash_use_our_worker(sglang_plugins, caplog):
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    s = sglang_plugins
+    original = s.SpeculativeAlgorithm.create_worker
+    with caplog.at_level(logging.INFO):
+        s.load_plugins()
+        assert len(_our_hooks(s.HookRegistry)) == 1
+        cls = s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args())
+        assert cls is DFlashKernelWorker and issubclass(cls, DFlashWorkerV2)
+        # The CLI name goes through the same enum member.
+        assert s.SpeculativeAlgorithm.from_string("dflash").create_worker(_server_args()) is DFlashKernelWorker
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER and "runs worker" in r.getMessage()]
+    assert lines == [
+        "sglang-dflash: speculative algorithm DFLASH runs worker "
+        f"sglang_dflash.sglang.worker.DFlashKernelWorker (SGLang {s.plugin.sglang_version()}, device cpu)"
+    ]
+    # Other algorithms get exactly what SGLang gives them.
+    for name in ("NGRAM", "STANDALONE"):
+        algo = s.SpeculativeAlgorithm.from_string(name)
+        assert algo.create_worker(_server_args()) is original(algo, _server_args())
+
+
+def test_disabled_registers_nothing(sglang_plugins, monkeypatch):
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    s = sglang_plugins
+    monkeypatch.setenv(s.plugin.ENV_DISABLE, "1")
+    s.load_plugins()
+    assert _our_hooks(s.HookRegistry) == []
+    assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashWorkerV2
+
+
+def test_disabled_at_worker_creation(sglang_plugins, monkeypatch):
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    s = sglang_plugins
+    s.load_plugins()
+    monkeypatch.setenv(s.plugin.ENV_DISABLE, "1")
+    assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashWorkerV2
+
+
+def test_version_mismatch_falls_back_with_a_warning(sglang_plugins, caplog):
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    s = sglang_plugins
+    s.plugin.SUPPORTED_SGLANG_VERSIONS = ("0.0.1",)
+    with caplog.at_level(logging.WARNING):
+        s.load_plugins()
+    assert _our_hooks(s.HookRegistry) == []
+    assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashWorkerV2
+    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not a version sglang-dflash was checked against (0.0.1)" in warnings[0]
+    assert "built-in worker" in warnings[0]
+
+
+def test_version_mismatch_found_at_worker_creation_falls_back(sglang_plugins, caplog):
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    s = sglang_plugins
+    s.load_plugins()
+    s.plugin.SUPPORTED_SGLANG_VERSIONS = ("0.0.1",)
+    with caplog.at_level(logging.WARNING):
+        assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashWorkerV2
+    assert any("falls back to SGLang's built-in worker" in r.getMessage() for r in caplog.records)
+
+
+def test_strict_version_mismatch_raises_at_worker_creation(sglang_plugins, monkeypatch):
+    s = sglang_plugins
+    monkeypatch.setenv(s.plugin.ENV_STRICT, "1")
+    s.plugin.SUPPORTED_SGLANG_VERSIONS = ("0.0.1",)
+    s.load_plugins()  # SGLang swallows errors raised here, so strict mode still registers the hook
+    assert len(_our_hooks(s.HookRegistry)) == 1
+    with pytest.raises(s.plugin.IncompatibleSGLangError, match=r"not a version .* \(0\.0\.1\)"):
+        s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args())
+    # Other algorithms are unaffected.
+    ngram = s.SpeculativeAlgorithm.from_string("NGRAM")
+    assert ngram.create_worker(_server_args()) is not None
+
+
+def test_strict_with_a_compatible_sglang_uses_our_worker(sglang_plugins, monkeypatch):
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    s = sglang_plugins
+    monkeypatch.setenv(s.plugin.ENV_STRICT, "1")
+    s.load_plugins()
+    assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashKernelWorker
+
+
+def _hooked(target):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return [h for _, h, _ in HookRegistry._hooks.get(target, [])]
+
+
+def test_cpu_hooks_only_with_sglangs_cpu_engine(sglang_plugins, monkeypatch):
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from sglang_dflash.sglang import cpu
+
+    s = sglang_plugins
+    s.load_plugins()
+    assert all(_hooked(t) == [] for t, _ in cpu.HOOKS)
+    assert not hasattr(TorchNativeAttnBackend.forward_extend, "__wrapped__")
+
+
+def test_cpu_hooks_are_installed_with_sglangs_cpu_engine(sglang_plugins, monkeypatch):
+    import pkgutil
+
+    from sglang_dflash.sglang import cpu
+
+    s = sglang_plugins
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    s.load_plugins()
+    for target, hook in cpu.HOOKS:
+        assert _hooked(target) == [hook]
+        owner_path, name = target.rsplit(".", 1)
+        assert getattr(pkgutil.resolve_name(owner_path), name).__wrapped__ is not None
+
+
+def test_seams_are_present_in_this_sglang():
+    from sglang_dflash.sglang import plugin, worker
+
+    assert plugin.version_problem() is None
+    assert worker.compatibility_problems() == []
+
+
+def test_plugin_runs_in_a_fresh_process_through_load_plugins(tmp_path):
+    """End to end in a new interpreter, as in every SGLang process: the entry point is found."""
+    path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    if not _entry_point_installed():
+        dist = tmp_path / "sglang_dflash_entry_point-0.0.0.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-dflash-entry-point\nVersion: 0.0.0\n")
+        (dist / "entry_points.txt").write_text(f"[{EP_GROUP}]\nsglang_dflash = {EP_VALUE}\n")
+        path.insert(0, str(tmp_path))
+    code = textwrap.dedent(
+        """
+        import logging, sys, types
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        load_plugins()
+        cls = SpeculativeAlgorithm.from_string("dflash").create_worker(types.SimpleNamespace(device="cpu"))
+        print("WORKER", cls.__module__ + "." + cls.__qualname__)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+    for var in ("SGLANG_DFLASH_DISABLE", "SGLANG_DFLASH_STRICT", "SGLANG_PLUGINS"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WORKER sglang_dflash.sglang.worker.DFlashKernelWorker" in proc.stdout
+    assert "runs worker sglang_dflash.sglang.worker.DFlashKernelWorker" in proc.stdout
+
+
+# -- _accept_block: ours against SGLang's own torch path -------------------------------------
+
+
+def _bare_worker(cls, block_size, *, random_seed=1234, device="cpu"):
+    """An instance with just the state `_accept_block` reads (the full __init__ needs a model).
+
+    Every attribute set here is one DFlashWorkerV2.__init__ sets; everything else is SGLang's.
+    """
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    w = object.__new__(cls)
+    w._target_worker = None
+    w.device = device
+    w.block_size = block_size
+    w._accept_bonus_buffer_cap = 0
+    w._accept_bonus_buffer_slot = 0
+    w._accept_len_buf = None
+    w._selector_sample = None
+    w.selector = None
+    w.lilicorr = None
+    w._use_triton_accept_bonus = False  # what __init__ decides without a GPU
+    w._warned_sampling_fallback = False
+    w._tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
+    if issubclass(cls, DFlashKernelWorker):
+        w._init_dflash_kernels(types.SimpleNamespace(random_seed=random_seed))
+    return w
+
+
+def _sampling_info(temperature, top_k, top_p, *, seeds=None):
+    """A real SamplingBatchInfo, filled as SamplingBatchInfo.from_schedule_batch would."""
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    bs = len(temperature)
+    # SamplingParams turns temperature 0 into (temperature 1, top_k 1).
+    t = [1.0 if x == 0 else x for x in temperature]
+    k = [1 if x == 0 else kk for x, kk in zip(temperature, top_k, strict=True)]
+    return SamplingBatchInfo(
+        temperatures=torch.tensor(t, dtype=torch.float).view(-1, 1),
+        top_ps=torch.tensor(top_p, dtype=torch.float),
+        top_ks=torch.tensor(k, dtype=torch.int32),
+        min_ps=torch.zeros(bs),
+        is_all_greedy=all(x == 1 for x in k),
+        is_any_greedy=any(x == 1 for x in k),
+        need_top_p_sampling=any(p != 1.0 for p in top_p),
+        need_top_k_sampling=any(x != 1 << 30 for x in k),
+        need_min_p_sampling=False,
+        vocab_size=0,
+        sampling_seed=None if seeds is None else torch.tensor(seeds, dtype=torch.int64),
+    )
+
+
+def _greedy_case(bs, block, vocab, seed, logits_dtype=torch.float32):
+    """Logits, their argmax, and candidates that agree with it for a chosen number of rows."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(bs * block, vocab, generator=gen).to(logits_dtype)
+    top1 = logits.float().argmax(-1).view(bs, block)
+    candidates = torch.randint(0, vocab, (bs, block), generator=gen)
+    for b in range(bs):
+        n = b % block  # every accept length 0 .. block-1 appears
+        candidates[b, 1 : n + 1] = top1[b, :n]
+        if n + 1 < block:
+            candidates[b, n + 1] = (top1[b, n] + 1) % vocab  # first mismatch
+    prefix_lens = torch.randint(1, 500, (bs,), generator=gen)
+    return logits, candidates, prefix_lens
+
+
+def _call(worker, **kw):
+    kw.setdefault("draft_input", None)
+    kw.setdefault("sampling_info", None)
+    kw.setdefault("target_predict", None)
+    return worker._accept_block(**kw)
+
+
+def _assert_same_decisions(ours, theirs, prefix_lens):
+    acc, commit, bonus, out, new_seq = ours
+    t_acc, t_commit, t_bonus, t_out, t_new_seq = theirs
+    assert acc.dtype == torch.int32 and commit.dtype == torch.int32 and bonus.dtype == torch.int64
+    assert out.dtype == torch.int64
+    assert torch.equal(acc, t_acc)
+    assert torch.equal(commit, t_commit)
+    assert torch.equal(bonus, t_bonus)
+    if t_new_seq is None:  # SGLang's torch path leaves it to the caller: prefix + commit
+        t_new_seq = prefix_lens + t_commit.to(prefix_lens.dtype)
+    assert torch.equal(new_seq.to(torch.int64), t_new_seq.to(torch.int64))
+    for b in range(acc.numel()):
+        c = int(commit[b])
+        assert torch.equal(out[b, :c], t_out[b, :c])
+        assert not out[b, c:].any()  # zeros past the commit, as SGLang's Triton kernel leaves them
+
+
+@pytest.mark.parametrize("bs,block,vocab", [(1, 16, 1000), (7, 4, 97), (16, 16, 4096), (33, 8, 50)])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_greedy_accept_equals_sglang_torch_path(bs, block, vocab, logits_dtype):
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    logits, candidates, prefix_lens = _greedy_case(bs, block, vocab, seed=bs * 1000 + block, logits_dtype=logits_dtype)
+    ours_w, theirs_w = _bare_worker(DFlashKernelWorker, block), _bare_worker(DFlashWorkerV2, block)
+    for info in (None, _sampling_info([0.0] * bs, [1] * bs, [1.0] * bs)):
+        kw = dict(candidates=candidates, next_token_logits=logits, prefix_lens=prefix_lens, bs=bs, sampling_info=info)
+        ours = _call(ours_w, **kw)
+        theirs = _call(theirs_w, **kw)
+        _assert_same_decisions(ours, theirs, prefix_lens)
+        assert sorted(set(ours[0].tolist())) == sorted(set(range(block)) & set(b % block for b in range(bs)))
+
+
+@pytest.mark.parametrize("ids_shape", ["flat", "2d"])
+def test_deferred_argmax_ids_equal_sglang_torch_path(ids_shape):
+    """SGLang's all-greedy fast path hands over argmax ids and no logits."""
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    bs, block, vocab = 9, 16, 300
+    logits, candidates, prefix_lens = _greedy_case(bs, block, vocab, seed=7)
+    ids = logits.argmax(-1)
+    ids = ids if ids_shape == "flat" else ids.view(bs, block)
+    kw = dict(candidates=candidates, next_token_logits=None, prefix_lens=prefix_lens, bs=bs, target_predict=ids)
+    ours = _call(_bare_worker(DFlashKernelWorker, block), **kw)
+    theirs = _call(_bare_worker(DFlashWorkerV2, block), **dict(kw, target_predict=ids.clone()))
+    _assert_same_decisions(ours, theirs, prefix_lens)
+
+
+def test_results_live_in_sglangs_double_buffers():
+    """Two consecutive steps return different storage (overlap scheduling reads step n while n+1 runs)."""
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    bs, block, vocab = 4, 8, 64
+    w = _bare_worker(DFlashKernelWorker, block)
+    logits, candidates, prefix_lens = _greedy_case(bs, block, vocab, seed=3)
+    first = _call(w, candidates=candidates, next_token_logits=logits, prefix_lens=prefix_lens, bs=bs)
+    kept = [t.clone() for t in first]
+    second = _call(w, candidates=candidates, next_token_logits=logits, prefix_lens=prefix_lens, bs=bs)
+    slot0 = w._commit_lens_bufs[0].data_ptr(), w._out_tokens_bufs[0].data_ptr()
+    assert (first[1].data_ptr(), first[3].data_ptr()) == slot0
+    assert second[1].data_ptr() != first[1].data_ptr() and second[3].data_ptr() != first[3].data_ptr()
+    for a, b in zip(first[1:], kept[1:], strict=True):
+        assert torch.equal(a, b)  # the second step did not overwrite the first step's results
+
+
+def test_simulated_acceptance_goes_to_sglang(monkeypatch):
+    """SGLANG_SIMULATE_ACC_LEN (a benchmark knob SGLang reads at import) is SGLang's business: with
+    it set, SGLang's own path forces the lengths and fixed tokens, exactly as the parent does."""
+    import sglang.srt.speculative.dflash_worker_v2 as sgl_worker
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    bs, block, vocab = 3, 8, 64
+    logits, candidates, prefix_lens = _greedy_case(bs, block, vocab, seed=11)
+    monkeypatch.setattr(sgl_worker, "SIMULATE_ACC_LEN", 5)
+    monkeypatch.setattr(sgl_worker, "SIMULATE_ACC_METHOD", "match-expected")
+    monkeypatch.setattr(sgl_worker, "SIMULATE_ACC_TOKEN_MODE", "fixed")
+    kw = dict(candidates=candidates, next_token_logits=logits, prefix_lens=prefix_lens, bs=bs)
+    ours = _call(_bare_worker(DFlashKernelWorker, block), **kw)
+    theirs = _call(_bare_worker(DFlashWorkerV2, block), **kw)
+    assert ours[0].tolist() == [4] * bs and ours[1].tolist() == [5] * bs  # forced: commit 5
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+
+def test_sampled_accept_matches_the_reference_op():
+    """Per-request temperature / top-k / top-p reach verify_block as the op's spec defines them."""
+    from sglang_dflash.sglang.worker import _STEP_SHIFT, DFlashKernelWorker
+
+    bs, block, vocab, seed = 6, 8, 40, 99
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(bs * block, vocab, generator=gen) * 2
+    temps, top_ks, top_ps = [0.0, 0.7, 1.0, 1.3, 0.0, 0.9], [0, 5, 1 << 30, 20, 0, 3], [1.0, 0.9, 0.8, 1.0, 1.0, 1.0]
+    info = _sampling_info(temps, top_ks, top_ps)
+    w = _bare_worker(DFlashKernelWorker, block, random_seed=seed)
+    for step in range(3):
+        # Candidates that follow the reference's own samples for a while, so lengths vary.
+        offsets = torch.arange(bs) + (step << _STEP_SHIFT)
+        eff_t = torch.tensor([0.0 if t == 0 else t for t in temps])
+        y = reference.target_samples(logits, eff_t, torch.tensor(top_ks, dtype=torch.int32),
+                                     torch.tensor(top_ps), seed, offsets, block)
+        candidates = torch.randint(0, vocab, (bs, block), generator=gen)
+        for b in range(bs):
+            n = (b + step) % block
+            candidates[b, 1 : n + 1] = y[b, :n]
+        prefix_lens = torch.randint(1, 100, (bs,), generator=gen)
+        acc, commit, bonus, out, new_seq = _call(
+            w, candidates=candidates, next_token_logits=logits, prefix_lens=prefix_lens, bs=bs, sampling_info=info
+        )
+        r_acc, r_bonus, r_out = reference.verify_block_from_ids(candidates, y)
+        assert torch.equal(acc, r_acc) and torch.equal(bonus, r_bonus)
+        assert torch.equal(out, r_out.clamp(min=0)) and torch.equal(commit, r_acc + 1)
+        assert torch.equal(new_seq, prefix_lens + commit)
+        assert (acc >= torch.tensor([(b + step) % block for b in range(bs)])).all()
+
+
+def test_deterministic_inference_offsets_follow_request_seed_and_length():
+    """With per-request sampling seeds, the same request state gives the same sample."""
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    bs, block, vocab = 4, 4, 500
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(bs * block, vocab, generator=gen)
+    candidates = torch.randint(0, vocab, (bs, block), generator=gen)
+    info = _sampling_info([1.0] * bs, [1 << 30] * bs, [1.0] * bs, seeds=[7, 7, 8, 7])
+    prefix = torch.tensor([10, 10, 10, 11])
+    w = _bare_worker(DFlashKernelWorker, block)
+    kw = dict(candidates=candidates, next_token_logits=logits, prefix_lens=prefix, bs=bs, sampling_info=info)
+    runs = [_call(w, **kw)[2].clone() for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])  # reproducible across steps for the same state
+
+
+def test_sampled_bonus_follows_the_target_distribution():
+    """Chi-square: with no draft accepted, the bonus is a sample of softmax(logits / T) over the
+    top-k / top-p set, independently for every request row."""
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    bs, block, vocab = 6000, 2, 12
+    temperature, top_k, top_p = 0.8, 9, 0.9
+    gen = torch.Generator().manual_seed(21)
+    row = torch.randn(vocab, generator=gen) * 1.5
+    logits = row.repeat(bs * block, 1)
+    x = row / temperature
+    keep = reference.sampling_mask(x, top_k, top_p)
+    probs = torch.softmax(x.masked_fill(~keep, float("-inf")), 0)
+    candidates = torch.zeros(bs, block, dtype=torch.int64)
+    candidates[:, 1] = int(torch.argmin(row))  # never sampled (outside top-k): accept_len 0
+    info = _sampling_info([temperature] * bs, [top_k] * bs, [top_p] * bs)
+    w = _bare_worker(DFlashKernelWorker, block, random_seed=3)
+    acc, _, bonus, _, _ = _call(
+        w, candidates=candidates, next_token_logits=logits, prefix_lens=torch.ones(bs, dtype=torch.int64),
+        bs=bs, sampling_info=info,
+    )
+    assert not acc.any()
+    counts = torch.bincount(bonus, minlength=vocab).double()
+    assert counts[~keep].sum() == 0
+    support = keep.nonzero().flatten()
+    expected = probs[support].double()
+    expected = expected / expected.sum() * counts[support].sum()
+    pvalue = stats.chisquare(counts[support].numpy(), expected.numpy()).pvalue
+    assert pvalue > 1e-3, (counts, probs * bs)
+
+
+def test_sampling_on_cpu_does_not_warn_about_a_greedy_fallback(caplog):
+    """SGLang has no sampled verify op on CPU and warns it verifies greedily; ours samples."""
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    w = _bare_worker(DFlashKernelWorker, 4)
+    batch = types.SimpleNamespace(sampling_info=_sampling_info([0.9], [1 << 30], [1.0]))
+    with caplog.at_level(logging.WARNING):
+        w._validate_phase1_sampling_support(batch)
+    assert not [r for r in caplog.records if "falling back to greedy" in r.getMessage()]
+
+
+# -- attention: TARGET_VERIFY on block_attention, over SGLang's own KV pool -------------------
+
+
+def _verify_attention_case(attn_type, sliding_window_size, seed=0):
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, dim, block, ctx = 4, 2, 16, 4, [5, 9, 0]
+    bs = len(ctx)
+    pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=hkv, head_dim=dim, layer_num=1,
+                            device="cpu", enable_memory_saver=False)
+    pool.get_key_buffer(0).copy_(torch.randn(pool.get_key_buffer(0).shape, generator=gen))
+    pool.get_value_buffer(0).copy_(torch.randn(pool.get_value_buffer(0).shape, generator=gen))
+    slots = torch.randperm(60, generator=gen) + 1
+    table = torch.zeros(bs + 1, 32, dtype=torch.int32)
+    rows = torch.tensor([2, 0, 3])
+    out_loc, used = [], 0
+    for b in range(bs):
+        table[rows[b], : ctx[b] + block] = slots[used : used + ctx[b] + block].int()
+        out_loc.append(table[rows[b], ctx[b] : ctx[b] + block])
+        used += ctx[b] + block
+    layer = RadixAttention(hq, dim, 0.3, hkv, layer_id=0, attn_type=attn_type,
+                           sliding_window_size=sliding_window_size)
+    fb = types.SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY, spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=None,
+        req_pool_indices=rows, seq_lens=torch.tensor(ctx), out_cache_loc=torch.cat(out_loc).long(),
+    )
+    n = bs * block
+    q, k, v = (torch.randn(n, h * dim, generator=gen) for h in (hq, hkv, hkv))
+    return layer, pool, table, fb, q, k, v, block
+
+
+@pytest.mark.parametrize("kind", ["draft", "verify", "draft_sliding", "verify_sliding"])
+def test_paged_block_attention_over_sglangs_pool(kind):
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from sglang_dflash.sglang.attention import covers, paged_block_attention
+
+    attn_type = AttentionType.ENCODER_ONLY if kind.startswith("draft") else AttentionType.DECODER
+    sws = 3 if kind.endswith("sliding") else -1
+    layer, pool, table, fb, q, k, v, block = _verify_attention_case(attn_type, sws)
+    context_k = pool.get_key_buffer(0).clone()
+    context_v = pool.get_value_buffer(0).clone()
+    assert covers(layer, fb, q, pool.get_key_buffer(0))
+    out = paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table)
+    hq, hkv, dim = 4, 2, 16
+    ref = reference.block_attention(
+        q.view(-1, hq, dim), k.view(-1, hkv, dim), v.view(-1, hkv, dim), context_k, context_v, table,
+        fb.req_pool_indices, fb.seq_lens, block, sm_scale=0.3, window=sws + 1 if sws > -1 else -1,
+        causal_block=attn_type != AttentionType.ENCODER_ONLY,
+    )
+    torch.testing.assert_close(out, ref.reshape(out.shape), rtol=1e-5, atol=1e-5)
+    # The block's K/V were written to its slots, as SGLang's backends do.
+    assert torch.equal(pool.get_key_buffer(0)[fb.out_cache_loc], k.view(-1, hkv, dim))
+    assert torch.equal(pool.get_value_buffer(0)[fb.out_cache_loc], v.view(-1, hkv, dim))
+
+
+def test_attention_swap_leaves_other_calls_to_sglang():
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_dflash.sglang.attention import covers
+
+    layer, pool, _, fb, q, _, _, _ = _verify_attention_case(AttentionType.ENCODER_ONLY, -1)
+    kbuf = pool.get_key_buffer(0)
+    assert covers(layer, fb, q, kbuf)
+    for change in (
+        dict(forward_mode=ForwardMode.EXTEND),
+        dict(forward_mode=ForwardMode.DECODE),
+        dict(spec_algorithm=SpeculativeAlgorithm.from_string("NGRAM")),
+        dict(spec_info=types.SimpleNamespace(custom_mask=torch.ones(4, dtype=torch.bool))),
+    ):
+        assert not covers(layer, types.SimpleNamespace(**dict(vars(fb), **change)), q, kbuf), change
+    layer.logit_cap = 30.0
+    assert not covers(layer, fb, q, kbuf)
+    layer.logit_cap = 0.0
+    assert not covers(layer, fb, q.half(), kbuf)  # KV pool in another dtype
