@@ -54,6 +54,15 @@ void check_rows_of_vectors(const char* op, const char* name, const at::Tensor& t
              t.strides());
 }
 
+// candidates [bs, B] int64 with B >= 1 (the anchor column); returns (bs, B).
+std::pair<int64_t, int64_t> check_candidates(const char* op, const at::Tensor& candidates) {
+  check_rank(op, "candidates", candidates, 2, "[bs, B]");
+  check_dtype(op, "candidates", candidates, at::kLong);
+  SGLD_CHECK(candidates.size(1) >= 1, op, "candidates must have at least one column (the anchor), got shape ",
+             shape_of(candidates));
+  return {candidates.size(0), candidates.size(1)};
+}
+
 }  // namespace
 
 BlockAttentionShape check_block_attention_args(const at::Tensor& q, const at::Tensor& k_block,
@@ -144,11 +153,7 @@ void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& 
 
 VerifyShape check_verify_ids_args(const at::Tensor& candidates, const at::Tensor& target_ids) {
   const char* op = "verify_block";
-  check_rank(op, "candidates", candidates, 2, "[bs, B]");
-  check_dtype(op, "candidates", candidates, at::kLong);
-  const int64_t batch = candidates.size(0), block_size = candidates.size(1);
-  SGLD_CHECK(block_size >= 1, op, "candidates must have at least one column (the anchor), got shape ",
-             shape_of(candidates));
+  const auto [batch, block_size] = check_candidates(op, candidates);
   check_index_tensor(op, "target_ids", target_ids);
   check_same_device(op, candidates, "target_ids", target_ids);
   SGLD_CHECK(target_ids.numel() == batch * block_size &&
@@ -162,11 +167,7 @@ VerifyShape check_verify_args(const at::Tensor& candidates, const at::Tensor& lo
                               const at::Tensor& temperature, const at::Tensor& top_k,
                               const at::Tensor& top_p, const at::Tensor& offsets) {
   const char* op = "verify_block";
-  check_rank(op, "candidates", candidates, 2, "[bs, B]");
-  check_dtype(op, "candidates", candidates, at::kLong);
-  const int64_t batch = candidates.size(0), block_size = candidates.size(1);
-  SGLD_CHECK(block_size >= 1, op, "candidates must have at least one column (the anchor), got shape ",
-             shape_of(candidates));
+  const auto [batch, block_size] = check_candidates(op, candidates);
   check_rank(op, "logits", logits, 2, "[bs * B, V]");
   SGLD_CHECK(is_float_type(logits.scalar_type()), op,
              "logits must be float32, bfloat16 or float16, got ", logits.scalar_type());
