@@ -1,8 +1,8 @@
 """CPU op benchmark: each kernel side by side with its pure-PyTorch reference, in one process.
 
 Prints, per shape, the median time of both, the ratio (reference / kernel) and the kernel's
-achieved bandwidth over the bytes it must read (context K/V for block_attention, logits for
-verify_block), and writes the table to bench/results/cpu_ops.json.
+achieved bandwidth over the bytes it must read (context K/V for block_attention; for
+verify_block the logits rows up to each request's first rejection), and writes the table to bench/results/cpu_ops.json.
 
     python bench/bench_ops.py [--quick] [--out bench/results/cpu_ops.json]
 """
@@ -60,9 +60,11 @@ def bench_attention(shape, repeats):
     kernel = median_time(lambda: ops.block_attention(**args, block_size=block), repeats)
     ref = median_time(lambda: reference.block_attention(**args, block_size=block), max(2, repeats // 4))
     kv_bytes = 2 * bs * (ctx + block) * hkv * d * args["k_cache"].element_size()
+    flops = 4 * bs * block * hq * (ctx + block) * d  # QK^T and PV; on CPU this op is compute-bound
     return dict(op="block_attention", bs=bs, B=block, Hq=hq, Hkv=hkv, D=d, ctx=ctx,
                 dtype=str(dtype).removeprefix("torch."), kernel_ms=kernel * 1e3,
-                reference_ms=ref * 1e3, ratio=ref / kernel, kernel_GBps=kv_bytes / kernel / 1e9)
+                reference_ms=ref * 1e3, ratio=ref / kernel, kernel_GBps=kv_bytes / kernel / 1e9,
+                kernel_GFLOPs=flops / kernel / 1e9)
 
 
 def bench_verify(shape, repeats):
@@ -78,10 +80,12 @@ def bench_verify(shape, repeats):
     kernel = median_time(lambda: ops.verify_block(cand, logits, **args), repeats)
     ref = median_time(lambda: reference.verify_block(cand, logits, **args), max(2, repeats // 4))
     accept = ops.verify_block(cand, logits, **args)[0]
+    # The kernel reads a request's rows only up to its first rejection: accept_len + 1 rows.
+    rows_read = int((accept.long() + 1).sum())
     return dict(op="verify_block", bs=bs, B=block, V=vocab, temperature=temperature, drafts=drafts,
                 mean_accept=float(accept.float().mean()), kernel_ms=kernel * 1e3,
                 reference_ms=ref * 1e3, ratio=ref / kernel,
-                kernel_GBps=logits.numel() * logits.element_size() / kernel / 1e9)
+                kernel_GBps=rows_read * vocab * logits.element_size() / kernel / 1e9)
 
 
 def main():
@@ -96,9 +100,11 @@ def main():
 
     print(f"\nCPU: {platform.processor() or platform.machine()}, torch threads: {torch.get_num_threads()}")
     for row in rows:
-        shape = {k: v for k, v in row.items() if k not in ("op", "kernel_ms", "reference_ms", "ratio", "kernel_GBps")}
+        timing = ("kernel_ms", "reference_ms", "ratio", "kernel_GBps", "kernel_GFLOPs")
+        shape = {k: v for k, v in row.items() if k != "op" and k not in timing}
+        flops = f"   {row['kernel_GFLOPs']:6.1f} GFLOP/s" if "kernel_GFLOPs" in row else ""
         print(f"{row['op']:16s} {shape}\n    kernel {row['kernel_ms']:9.2f} ms   reference "
-              f"{row['reference_ms']:9.2f} ms   ratio {row['ratio']:6.1f}x   {row['kernel_GBps']:6.1f} GB/s")
+              f"{row['reference_ms']:9.2f} ms   ratio {row['ratio']:6.1f}x   {row['kernel_GBps']:6.1f} GB/s{flops}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(__file__)).stdout.strip()
     result = dict(device=f"CPU {platform.machine()}, {os.cpu_count()} cores", threads=torch.get_num_threads(),
