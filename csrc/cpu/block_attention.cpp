@@ -21,10 +21,13 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kTile = 64;  // context tokens per tile: K, V tiles and scores stay in L1/L2
 
-// C[M x N] += A[M x K] * Bm[K x N], all row-major fp32. Four rows of C at a time, two vectors of
+// C[M x N] += A[M x K] * Bm[K x N], fp32, Bm and C row-major; A row-major, or column-major
+// (element (i, k) at A[k * lda + i]) when kTransA. Four rows of C at a time, two vectors of
 // columns, so each loaded Bm vector feeds four FMAs.
+template <bool kTransA>
 void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* Bm,
                      int64_t ldb, float* C, int64_t ldc) {
+  auto a_at = [&](int64_t i, int64_t k) { return kTransA ? A[k * lda + i] : A[i * lda + k]; };
   constexpr int64_t W = Vec::size();
   int64_t j = 0;
   for (; j + 2 * W <= N; j += 2 * W) {
@@ -38,7 +41,7 @@ void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
       for (int64_t k = 0; k < K; ++k) {
         const Vec b0 = Vec::loadu(Bm + k * ldb + j), b1 = Vec::loadu(Bm + k * ldb + j + W);
         for (int r = 0; r < 4; ++r) {
-          const Vec a(A[(i + r) * lda + k]);
+          const Vec a(a_at(i + r, k));
           c[r][0] = at::vec::fmadd(a, b0, c[r][0]);
           c[r][1] = at::vec::fmadd(a, b1, c[r][1]);
         }
@@ -51,7 +54,7 @@ void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
     for (; i < M; ++i) {
       Vec c0 = Vec::loadu(C + i * ldc + j), c1 = Vec::loadu(C + i * ldc + j + W);
       for (int64_t k = 0; k < K; ++k) {
-        const Vec a(A[i * lda + k]);
+        const Vec a(a_at(i, k));
         c0 = at::vec::fmadd(a, Vec::loadu(Bm + k * ldb + j), c0);
         c1 = at::vec::fmadd(a, Vec::loadu(Bm + k * ldb + j + W), c1);
       }
@@ -62,23 +65,25 @@ void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
   for (; j < N; ++j) {  // column tail (N not a multiple of 2 * vector width)
     for (int64_t i = 0; i < M; ++i) {
       float acc = C[i * ldc + j];
-      for (int64_t k = 0; k < K; ++k) acc += A[i * lda + k] * Bm[k * ldb + j];
+      for (int64_t k = 0; k < K; ++k) acc += a_at(i, k) * Bm[k * ldb + j];
       C[i * ldc + j] = acc;
     }
   }
 }
 
-// Per-thread scratch, sized once per parallel chunk.
+// Per-thread scratch, sized once per parallel chunk. Scores are kept key-major ([T, BG]) so that
+// the K tile is used as gathered (no transpose) and the softmax runs across rows in vectors.
 struct Scratch {
-  std::vector<float> q;      // [BG, D]  queries of one (request, kv head), pre-scaled
-  std::vector<float> k_t;    // [D, T]   K tile, transposed so scores are a plain row-major GEMM
+  std::vector<float> q_t;    // [D, BG]  queries of one (request, kv head), pre-scaled, transposed
+  std::vector<float> k;      // [T, D]   K tile
   std::vector<float> v;      // [T, D]   V tile
-  std::vector<float> score;  // [BG, T]  scores, then probabilities, of one tile
+  std::vector<float> score;  // [T, BG]  scores, then probabilities, of one tile
   std::vector<float> acc;    // [BG, D]  un-normalised output
-  std::vector<SoftmaxState> state;  // [BG]
+  std::vector<float> max, sum;       // [BG] online-softmax state
+  std::vector<float> scale, tile_sum;  // [BG] per-tile work: new max / rescale factor, exp sums
   Scratch(int64_t rows, int64_t tile, int64_t head_dim)
-      : q(rows * head_dim), k_t(head_dim * tile), v(tile * head_dim), score(rows * tile),
-        acc(rows * head_dim), state(rows) {}
+      : q_t(head_dim * rows), k(tile * head_dim), v(tile * head_dim), score(tile * rows),
+        acc(rows * head_dim), max(rows), sum(rows), scale(rows), tile_sum(rows) {}
 };
 
 struct Problem {
@@ -87,71 +92,77 @@ struct Problem {
   float sm_scale;
 };
 
-// Online-softmax update of all query rows with one tile of `n` keys whose scores are in
-// s.score; `visible(row_in_block, key)` says which (block row, tile key) pairs may attend.
+// Online-softmax update of all BG query rows with one tile of `n` keys whose scores are in
+// s.score ([n, BG]); `visible(row_in_block, key)` says which (block row, tile key) pairs may
+// attend, and is only consulted when `masked`. Everything runs across rows, W at a time.
 template <typename Visible>
-void softmax_tile(Scratch& s, const Problem& p, int64_t n, Visible visible) {
-  const int64_t rows = p.block_size * p.group;
+void softmax_tile(Scratch& s, const Problem& p, int64_t n, bool masked, Visible visible) {
+  const int64_t rows = p.block_size * p.group, W = Vec::size();
+  float* score = s.score.data();
+  float* new_max = s.scale.data();  // the new running max per row, then its rescale factor
+  float* tile_sum = s.tile_sum.data();
+  if (masked) {
+    for (int64_t c = 0; c < n; ++c)
+      for (int64_t r = 0; r < rows; ++r)
+        if (!visible(r / p.group, c)) score[c * rows + r] = -INFINITY;
+  }
+  std::copy(s.max.begin(), s.max.end(), new_max);
+  std::fill(tile_sum, tile_sum + rows, 0.0f);
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t r = 0; r < rows; ++r) new_max[r] = std::max(new_max[r], score[c * rows + r]);
+  for (int64_t c = 0; c < n; ++c) {
+    float* row = score + c * rows;
+    int64_t r = 0;
+    for (; r + W <= rows; r += W) {
+      // Rows with nothing visible yet subtract 0, so exp(-inf) gives 0 rather than NaN.
+      const Vec m = Vec::loadu(new_max + r);
+      const Vec e = (Vec::loadu(row + r) - Vec::blendv(m, Vec(0.0f), m == Vec(-INFINITY))).exp_u20();
+      e.store(row + r);
+      (Vec::loadu(tile_sum + r) + e).store(tile_sum + r);
+    }
+    for (; r < rows; ++r) {
+      row[r] = std::exp(row[r] - (new_max[r] == -INFINITY ? 0.0f : new_max[r]));
+      tile_sum[r] += row[r];
+    }
+  }
   for (int64_t r = 0; r < rows; ++r) {
-    float* score = s.score.data() + r * kTile;
-    const int64_t i = r / p.group;
-    float tile_max = -INFINITY;
-    for (int64_t c = 0; c < n; ++c) {
-      if (!visible(i, c)) score[c] = -INFINITY;
-      tile_max = std::max(tile_max, score[c]);
-    }
-    SoftmaxState& st = s.state[r];
-    const float new_max = std::max(st.max, tile_max);
-    if (new_max == -INFINITY) {  // nothing visible yet: probabilities are all zero
-      std::fill(score, score + n, 0.0f);
-      continue;
-    }
-    const float scale = rescale_factor(st.max, new_max);
-    float sum = 0.0f;
-    int64_t c = 0;
-    const Vec vmax(new_max);
-    Vec vsum(0.0f);
-    for (; c + Vec::size() <= n; c += Vec::size()) {
-      const Vec e = (Vec::loadu(score + c) - vmax).exp_u20();
-      e.store(score + c);
-      vsum += e;
-    }
-    for (; c < n; ++c) sum += score[c] = std::exp(score[c] - new_max);
-    sum += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-    st.sum = st.sum * scale + sum;
-    st.max = new_max;
-    if (scale != 1.0f) {
-      float* acc = s.acc.data() + r * p.head_dim;
-      for (int64_t d = 0; d < p.head_dim; ++d) acc[d] *= scale;
-    }
+    const float factor = rescale_factor(s.max[r], new_max[r]);
+    s.sum[r] = s.sum[r] * factor + tile_sum[r];
+    s.max[r] = new_max[r];
+    new_max[r] = factor;
+    if (factor == 1.0f) continue;
+    float* acc = s.acc.data() + r * p.head_dim;
+    for (int64_t d = 0; d < p.head_dim; ++d) acc[d] *= factor;
   }
 }
 
-// Loads `n` key/value vectors of one kv head into the tile buffers (K transposed), in fp32.
+// Loads `n` key/value vectors of one kv head into the tile buffers, in fp32.
 template <typename scalar_t, typename KeyPtr>
 void load_tile(Scratch& s, int64_t n, int64_t head_dim, KeyPtr key_ptr) {
   for (int64_t c = 0; c < n; ++c) {
     const scalar_t* k;
     const scalar_t* v;
     key_ptr(c, k, v);
+    float* k_row = s.k.data() + c * head_dim;
     float* v_row = s.v.data() + c * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) {
-      s.k_t[d * kTile + c] = static_cast<float>(k[d]);
+      k_row[d] = static_cast<float>(k[d]);
       v_row[d] = static_cast<float>(v[d]);
     }
   }
 }
 
-// Scores of all query rows against the loaded tile, then the online softmax and P @ V.
+// Scores of all query rows against the loaded tile (S^T = K Q^T), the online softmax, then
+// acc += P V with P read transposed from the key-major scores.
 template <typename Visible>
-void attend_tile(Scratch& s, const Problem& p, int64_t n, Visible visible) {
+void attend_tile(Scratch& s, const Problem& p, int64_t n, bool masked, Visible visible) {
   const int64_t rows = p.block_size * p.group;
-  for (int64_t r = 0; r < rows; ++r) std::fill_n(s.score.data() + r * kTile, n, 0.0f);
-  gemm_accumulate(rows, n, p.head_dim, s.q.data(), p.head_dim, s.k_t.data(), kTile,
-                  s.score.data(), kTile);
-  softmax_tile(s, p, n, visible);
-  gemm_accumulate(rows, p.head_dim, n, s.score.data(), kTile, s.v.data(), p.head_dim,
-                  s.acc.data(), p.head_dim);
+  std::fill_n(s.score.data(), n * rows, 0.0f);
+  gemm_accumulate<false>(n, rows, p.head_dim, s.k.data(), p.head_dim, s.q_t.data(), rows, s.score.data(),
+                         rows);
+  softmax_tile(s, p, n, masked, visible);
+  gemm_accumulate<true>(rows, p.head_dim, n, s.score.data(), rows, s.v.data(), p.head_dim, s.acc.data(),
+                        p.head_dim);
 }
 
 template <typename scalar_t, typename table_t>
@@ -178,12 +189,13 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
       for (int64_t i = 0; i < B; ++i) {
         for (int64_t g = 0; g < G; ++g) {
           const scalar_t* src = q_ptr + (b * B + i) * q.stride(0) + (h * G + g) * q.stride(1);
-          float* dst = s.q.data() + (i * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * p.sm_scale;
+          const int64_t r = i * G + g;
+          for (int64_t d = 0; d < D; ++d) s.q_t[d * rows + r] = static_cast<float>(src[d]) * p.sm_scale;
         }
       }
       std::fill(s.acc.begin(), s.acc.end(), 0.0f);
-      std::fill(s.state.begin(), s.state.end(), SoftmaxState{-INFINITY, 0.0f});
+      std::fill(s.max.begin(), s.max.end(), -INFINITY);
+      std::fill(s.sum.begin(), s.sum.end(), 0.0f);
 
       // Context: block row i (position ctx + i) sees context token j when ctx + i - j < window.
       const int64_t first = p.window >= 1 ? std::max<int64_t>(0, ctx - p.window + 1) : 0;
@@ -194,8 +206,8 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
           k = kc_ptr + slot * k_cache.stride(0) + h * k_cache.stride(1);
           v = vc_ptr + slot * v_cache.stride(0) + h * v_cache.stride(1);
         });
-        attend_tile(s, p, n, [&](int64_t i, int64_t c) {
-          return p.window < 1 || ctx + i - (t0 + c) < p.window;
+        attend_tile(s, p, n, /*masked=*/p.window >= 1, [&](int64_t i, int64_t c) {
+          return ctx + i - (t0 + c) < p.window;
         });
       }
       // The block itself: row i sees row c unless causal (c > i) or outside the window.
@@ -203,14 +215,14 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
         k = kb_ptr + (b * B + c) * k_block.stride(0) + h * k_block.stride(1);
         v = vb_ptr + (b * B + c) * v_block.stride(0) + h * v_block.stride(1);
       });
-      attend_tile(s, p, B, [&](int64_t i, int64_t c) {
+      attend_tile(s, p, B, /*masked=*/p.causal_block || p.window >= 1, [&](int64_t i, int64_t c) {
         return !(p.causal_block && c > i) && (p.window < 1 || std::abs(i - c) < p.window);
       });
 
       for (int64_t i = 0; i < B; ++i) {
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g;
-          const float inv = 1.0f / s.state[r].sum;
+          const float inv = 1.0f / s.sum[r];
           const float* src = s.acc.data() + r * D;
           scalar_t* dst = out_ptr + ((b * B + i) * p.kv_heads * G + h * G + g) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(src[d] * inv);
