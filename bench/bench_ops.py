@@ -45,7 +45,8 @@ VERIFY_SHAPES = [
 
 
 def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
+    for _ in range(3):  # warm-up: thread pool, page faults, caches
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
