@@ -139,19 +139,21 @@ int64_t sample_row(float* x, float* e, int64_t n, uint32_t row, const SamplingPa
   if (p.top_p < 1.0f) floor = top_p_threshold(x, e, n, floor, max, p.top_p);
 
   // Seed the search with the most likely token so the pruning bound is tight from the start.
-  float noise[4];
-  gumbel_noise4(p.seed, p.offset, row, static_cast<uint32_t>(first_max / 4), noise);
-  float best = max + noise[first_max % 4];
+  uint32_t lanes[4];
+  philox_lanes4(p.seed, p.offset, row, static_cast<uint32_t>(first_max / 4), lanes);
+  float best = max + gumbel_from_bits(lanes[first_max % 4]);
   int64_t best_id = first_max;
   for (int64_t group = 0; group * 4 < n; ++group) {
     const int64_t end = std::min<int64_t>(n, group * 4 + 4);
     bool any = false;
     for (int64_t v = group * 4; v < end; ++v) any |= x[v] >= floor && x[v] + kMaxGumbelNoise >= best;
     if (!any) continue;
-    gumbel_noise4(p.seed, p.offset, row, static_cast<uint32_t>(group), noise);
+    philox_lanes4(p.seed, p.offset, row, static_cast<uint32_t>(group), lanes);
     for (int64_t v = group * 4; v < end; ++v) {
-      if (x[v] < floor) continue;
-      const float score = x[v] + noise[v - group * 4];
+      const uint32_t bits = lanes[v - group * 4];
+      // The exact noise (two double logs) only for tokens whose noise bound can still win.
+      if (x[v] < floor || x[v] + gumbel_upper_bound(bits) < best) continue;
+      const float score = x[v] + gumbel_from_bits(bits);
       if (score > best || (score == best && v < best_id)) {
         best = score;
         best_id = v;

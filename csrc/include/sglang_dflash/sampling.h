@@ -13,20 +13,42 @@
 
 namespace sglang_dflash {
 
-// Gumbel(0, 1) noise for vocab ids 4*group .. 4*group+3 of verify row `row` of the request whose
-// sampling offset is `offset`: one Philox4x32-10 block at counter (group, row, offset) under key
-// `seed`, lane j for id 4*group + j. u = (2m + 1) / 2^24 with m the lane's 23 high bits is exact
-// in fp32 and never 0 or 1; -log(-log(u)) runs in double and is rounded once, so every backend
-// produces the same fp32 noise.
-SGLD_HOST_DEVICE void gumbel_noise4(uint64_t seed, uint64_t offset, uint32_t row, uint32_t group,
-                                    float noise[4]) {
+// The Philox4x32-10 block behind vocab ids 4*group .. 4*group+3 of verify row `row` of the
+// request whose sampling offset is `offset`: counter (group, row, offset) under key `seed`; lane j
+// belongs to id 4*group + j.
+SGLD_HOST_DEVICE void philox_lanes4(uint64_t seed, uint64_t offset, uint32_t row, uint32_t group,
+                                    uint32_t lanes[4]) {
   at::philox_engine engine(seed, /*subsequence=*/offset,
                            /*offset=*/(static_cast<uint64_t>(row) << 32) | group);
-  for (int lane = 0; lane < 4; ++lane) {
-    const uint32_t bits = engine();
-    const double u = static_cast<double>(((bits >> 9) << 1) | 1u) * (1.0 / 16777216.0);
-    noise[lane] = static_cast<float>(-log(-log(u)));
-  }
+  for (int lane = 0; lane < 4; ++lane) lanes[lane] = engine();
+}
+
+// u = (2m + 1) / 2^24 with m the lane's 23 high bits: exact in fp32, never 0 or 1.
+SGLD_HOST_DEVICE float uniform_from_bits(uint32_t bits) {
+  return static_cast<float>(((bits >> 9) << 1) | 1u) * (1.0f / 16777216.0f);
+}
+
+// Gumbel(0, 1) noise -log(-log(u)), evaluated in double and rounded once, so every backend
+// produces the same fp32 value.
+SGLD_HOST_DEVICE float gumbel_from_bits(uint32_t bits) {
+  const double u = uniform_from_bits(bits);
+  return static_cast<float>(-log(-log(u)));
+}
+
+// A cheap upper bound of gumbel_from_bits(bits), for skipping tokens that cannot win: with
+// w = 1 - u (exact), -log(u) = w + w^2/2 + w^3/3 + ... >= w + w^2/2, so the noise is at most
+// -log(w + w^2/2); 1e-3 covers the fp32 rounding of this bound and of the exact noise.
+SGLD_HOST_DEVICE float gumbel_upper_bound(uint32_t bits) {
+  const float w = 1.0f - uniform_from_bits(bits);
+  return -logf(w + 0.5f * w * w) + 1e-3f;
+}
+
+// Gumbel noise for the four vocab ids of one Philox block (see philox_lanes4).
+SGLD_HOST_DEVICE void gumbel_noise4(uint64_t seed, uint64_t offset, uint32_t row, uint32_t group,
+                                    float noise[4]) {
+  uint32_t lanes[4];
+  philox_lanes4(seed, offset, row, group, lanes);
+  for (int lane = 0; lane < 4; ++lane) noise[lane] = gumbel_from_bits(lanes[lane]);
 }
 
 // Upper bound of any value gumbel_noise4 returns: -log(-log(1 - 2^-24)) = 16.6355. A token whose
