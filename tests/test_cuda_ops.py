@@ -18,6 +18,7 @@ import torch
 
 from sglang_dflash import ops
 from sglang_dflash.ops import reference
+from sglang_dflash.ops.testing import make_attention_inputs, on_device
 
 pytestmark = pytest.mark.cuda
 
@@ -58,52 +59,10 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2, torch.float16: 4e-3}
 # block_attention
 
 
-def _attention_inputs(
-    bs,
-    block,
-    hq,
-    hkv,
-    d,
-    ctx_lens,
-    dtype,
-    table_dtype=torch.int32,
-    width=None,
-    seed=0,
-    unaligned=False,
-):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    width = width or max(max(ctx_lens), 1) + 3
-    n_slots = sum(ctx_lens) + 17
-    n = bs * block
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    pad = 1 if unaligned else 0  # a view whose rows start off 16-byte boundaries
-    q = rnd(n, hq, d + pad)[..., pad:].to(DEV) if pad else rnd(n, hq, d).to(DEV)
-    k_block, v_block = rnd(n, hkv, d).to(DEV), rnd(n, hkv, d).to(DEV)
-    k_cache, v_cache = rnd(n_slots, hkv, d).to(DEV), rnd(n_slots, hkv, d).to(DEV)
-    if pad:
-        k_cache = rnd(n_slots, hkv, d + pad)[..., pad:].to(DEV)
-    n_req = bs + 2
-    table = torch.randint(0, n_slots, (n_req, width), generator=g)
-    perm = torch.randperm(n_slots, generator=g)
-    pools = torch.randperm(n_req, generator=g)[:bs]
-    used = 0
-    for b, ctx in enumerate(ctx_lens):
-        table[pools[b], :ctx] = perm[used : used + ctx]
-        used += ctx
-    lens = torch.tensor(ctx_lens)
-    return dict(
-        q=q,
-        k_block=k_block,
-        v_block=v_block,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        req_to_token=table.to(table_dtype).to(DEV),
-        req_pool_indices=pools.to(table_dtype).to(DEV),
-        ctx_lens=lens.to(table_dtype).to(DEV),
-    )
+def _attention_inputs(bs, block, hq, hkv, d, ctx_lens, dtype, table_dtype=torch.int32, width=None, seed=0,
+                      unaligned=False):
+    return on_device(make_attention_inputs(bs, block, hq, hkv, d, ctx_lens, dtype, seed=seed,
+                                           table_dtype=table_dtype, width=width, unaligned=unaligned), DEV)
 
 
 def _to_cpu(args: dict) -> dict:
@@ -142,22 +101,6 @@ def test_block_attention_matches_reference_and_cpu(case, dtype):
     assert _rel_err(out, cpu) < TOL[dtype]
 
 
-def _cuda_views(args: dict) -> dict:
-    """The CPU test inputs on the GPU with the same layouts (q / k_block / v_block stay strided
-    views into one packed qkv tensor)."""
-    out, bases = {}, {}
-    for name, t in args.items():
-        base = t._base
-        if base is None:
-            out[name] = t.to(DEV)
-            continue
-        key = id(base)
-        if key not in bases:
-            bases[key] = base.to(DEV)
-        out[name] = bases[key].as_strided(t.shape, t.stride(), t.storage_offset())
-    return out
-
-
 def _cpu_grid():
     try:
         from tests.test_ops_block_attention import _grid_cases
@@ -170,13 +113,11 @@ def _cpu_grid():
 def test_block_attention_cpu_test_grid(bs, block, hq, hkv, head_dim, ctx_lens, dtype, window,
                                        causal, seed):  # fmt: skip
     """The CPU kernel's test grid (same inputs, same layouts): CUDA == reference == CPU twin."""
-    from sglang_dflash.ops.testing import make_attention_inputs
-
     cpu_args = make_attention_inputs(
         bs, block, hq, hkv, head_dim, ctx_lens, dtype, seed=seed,
         table_dtype=torch.int64 if seed % 3 else torch.int32,
     )  # fmt: skip
-    args = _cuda_views(cpu_args)
+    args = on_device(cpu_args, DEV)
     assert args["q"].stride() == cpu_args["q"].stride()
     kwargs = dict(block_size=block, window=window, causal_block=causal)
     _poison_allocator()
