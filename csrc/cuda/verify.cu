@@ -104,26 +104,17 @@ __device__ Best block_best(Best b, Scratch& s) {
   return r;
 }
 
-__device__ float block_sum(float v, Scratch& s) {
+// Block-wide sum in a fixed order (lanes by shuffle, then warps 0..kWarps-1), so results are
+// bit-identical run to run; `slots` is kWarps entries of shared memory.
+template <typename T>
+__device__ T block_sum(T v, T* slots) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) s.f[warp] = v;
+  if (lane == 0) slots[warp] = v;
   __syncthreads();
-  float r = s.f[0];
-  for (int w = 1; w < kWarps; ++w) r += s.f[w];
-  __syncthreads();
-  return r;
-}
-
-__device__ int block_count(int v, Scratch& s) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) s.i[warp] = v;
-  __syncthreads();
-  int r = 0;
-  for (int w = 0; w < kWarps; ++w) r += s.i[w];
+  T r = slots[0];
+  for (int w = 1; w < kWarps; ++w) r += slots[w];
   __syncthreads();
   return r;
 }
@@ -225,7 +216,7 @@ template <typename Src>
 __device__ int count_at_least(const Src& src, float t, Scratch& s) {
   int c = 0;
   src.for_each([&](float x, int) { c += x >= t; });
-  return block_count(c, s);
+  return block_sum(c, s.i);
 }
 
 // Sum of exp(x - max) over the tokens with x > t and x >= floor.
@@ -235,7 +226,7 @@ __device__ float sum_above(const Src& src, float t, float floor, float max, Scra
   src.for_each([&](float x, int) {
     if (x > t && x >= floor) sum += expf(x - max);
   });
-  return block_sum(sum, s);
+  return block_sum(sum, s.f);
 }
 
 // The CPU twin's kth_largest: the largest key t in [lo, hi] with count(x >= t) >= k.
@@ -398,7 +389,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
     above += own[j];  // tokens in bins >= this one
     too_big += above > kCap;
   }
-  const int b_star = block_count(too_big, s);  // bins [0, b_star) have suffixes over kCap
+  const int b_star = block_sum(too_big, s.i);  // bins [0, b_star) have suffixes over kCap
   // Bins below 8 hold only -inf and NaN keys (their edges are NaNs as floats): take -inf there.
   // Bin 8's edge is -FLT_MAX.
   const float edge = b_star < 8 ? -INFINITY : key_to_float(static_cast<uint32_t>(b_star) << kBinShift);
@@ -448,7 +439,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
     if (use_k) floor = kth_largest(set, top_k, float_to_key(edge), max_key, s);
     if (use_p) {
       const float total = use_k ? sum_above(set, -INFINITY, floor, max, s)
-                                : block_sum(total_part, s);
+                                : block_sum(total_part, s.f);
       const float target = top_p * total;
       uint64_t lo = float_to_key(floor);
       if (!use_k) {
