@@ -92,7 +92,7 @@ class Trainer:
                  cfg: TrainConfig, feature_cache: str | Path | None = None):
         if not train:
             raise ValueError("no training examples (all were empty or shorter than a block)")
-        self.cfg, self.draft, self.target = cfg, draft, target
+        self.cfg, self.draft = cfg, draft
         self.rank = int(os.environ.get("RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.train, self.held_out = train[self.rank :: self.world], held_out
