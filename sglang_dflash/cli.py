@@ -2,6 +2,8 @@
 
     sglang-dflash generate --target DIR|smollm2-135m [--draft DIR] --prompt TEXT [--json] ...
     sglang-dflash train --target DIR|smollm2-135m --data FILE|DIR --out DIR [--block-size --layers --steps ...]
+    sglang-dflash demo [--block-size B]
+    sglang-dflash regenerate --target DIR|smollm2-135m --data FILE --out DIR --target-layer-ids 1,8,14,20,27
 
 Without --draft the target decodes alone through the same engine (block size 1).
 """
@@ -13,14 +15,19 @@ import dataclasses
 import json
 import sys
 
+from sglang_dflash.drafters import SHIPPED_DRAFTER
+
 PACKAGED_HELP = "a Hugging Face model directory, or a packaged model name: smollm2-135m, qwen2.5-coder-0.5b"
 
 
-def _token_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids wants integers separated by commas, got {text!r}") from None
+def _int_list(flag: str):
+    """argparse type: integers separated by commas and/or spaces, e.g. "1,2,3"."""
+    def parse(text: str) -> list[int]:
+        try:
+            return [int(t) for t in text.replace(",", " ").split()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} wants integers separated by commas, got {text!r}") from None
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,9 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with DFlash speculative decoding")
     g.add_argument("--target", required=True, help=PACKAGED_HELP)
-    g.add_argument("--draft", help="z-lab DFlash checkpoint directory (omit for target-only decoding)")
+    g.add_argument("--draft", help="z-lab DFlash checkpoint directory or shipped drafter name "
+                                   f"({SHIPPED_DRAFTER}); omit for target-only decoding")
     g.add_argument("--prompt", action="append", default=[], help="text prompt (repeat for a batch)")
-    g.add_argument("--prompt-ids", action="append", default=[], type=_token_ids,
+    g.add_argument("--prompt-ids", action="append", default=[], type=_int_list("--prompt-ids"),
                    help="prompt as token ids, e.g. 1,2,3 (repeat for a batch)")
     g.add_argument("--no-chat-template", action="store_true", help="tokenize text prompts as they are")
     g.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
@@ -39,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stop-token-ids", type=_token_ids, help="default: the target's EOS ids")
+    g.add_argument("--stop-token-ids", type=_int_list("--stop-token-ids"), help="default: the target's EOS ids")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--cache-dir", help="where packaged models are converted (default: "
                                        "$SGLANG_DFLASH_CACHE or ~/.cache/sglang_dflash)")
@@ -49,7 +57,61 @@ def build_parser() -> argparse.ArgumentParser:
                         "every step's commits), steps (tokens committed by each verify pass, bonus included) "
                         "and stats")
     add_train_parser(sub)
+    add_regenerate_parser(sub)
+    d = sub.add_parser("demo", help="a few prompts through DFlash with the shipped drafter, next to plain decoding")
+    d.add_argument("--target", default="smollm2-135m", help=PACKAGED_HELP)
+    d.add_argument("--draft", default=SHIPPED_DRAFTER, help="drafter directory or shipped drafter name")
+    d.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    d.add_argument("--threads", type=int, help="torch CPU threads")
     return parser
+
+
+def demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from sglang_dflash.demo import run_demo
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return run_demo(args.target, args.draft, args.block_size, args.max_new_tokens, device)
+
+
+def add_regenerate_parser(sub) -> None:
+    r = sub.add_parser("regenerate", help="have the target answer training prompts itself and capture the "
+                                          "drafter's context features (a feature dataset for train --data)")
+    r.add_argument("--target", required=True, help=PACKAGED_HELP)
+    r.add_argument("--data", action="append", required=True,
+                   help="jsonl/json prompts or conversations (answers are replaced), or python-stdlib-functions; "
+                        "repeat for several")
+    r.add_argument("--out", required=True, help="feature dataset directory to write")
+    r.add_argument("--target-layer-ids", type=_int_list("--target-layer-ids"), required=True,
+                   help="tapped target layers, e.g. 1,8,14,20,27 (the drafter's target_layer_ids)")
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--limit", type=int, help="records read from each source")
+    r.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--batch-size", type=int, default=64)
+    r.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    r.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def regenerate(args: argparse.Namespace) -> int:
+    import torch
+
+    from sglang_dflash.engine import HFTarget
+    from sglang_dflash.train.regenerate import regenerate_dataset
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = HFTarget.from_pretrained(args.target, device=device)
+    count = regenerate_dataset(target, args.data, args.out, tuple(args.target_layer_ids), args.max_new_tokens,
+                               args.limit, args.temperature, args.seed, args.batch_size)
+    print(f"wrote {count} regenerated examples to {args.out}")
+    return 0
 
 
 def add_train_parser(sub) -> None:
@@ -62,7 +124,7 @@ def add_train_parser(sub) -> None:
     # Unset tunables keep TrainConfig's defaults (sglang_dflash/train/trainer.py).
     for flag, kind, text in [
         ("--block-size", int, "block size B (default 16)"),
-        ("--layers", int, "draft layers = tapped target layers (default 2)"),
+        ("--layers", int, "draft layers (default 2; also the number of tapped layers without --target-layer-ids)"),
         ("--steps", int, "optimizer steps (default 1000)"),
         ("--lr", float, "peak learning rate (default 6e-4)"),
         ("--warmup", float, "warmup fraction of the steps (default 0.04)"),
@@ -75,10 +137,15 @@ def add_train_parser(sub) -> None:
         ("--seed", int, "seed of data order and anchors (default 0)"),
     ]:
         t.add_argument(flag, type=kind, help=text)
+    t.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="float32 (default) or bfloat16 mixed precision (fp32 master weights)")
+    t.add_argument("--target-layer-ids", type=_int_list("--target-layer-ids"),
+                   help="tapped target layers, e.g. 1,8,14,20,27 (default: --layers ids spread z-lab's way)")
     t.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
     t.add_argument("--limit", type=int, help="records read from each data source")
     t.add_argument("--held-out", type=int, default=16, help="examples kept for the tau estimate")
-    t.add_argument("--regenerate", action="store_true", help="rewrite chat answers with the target first")
+    t.add_argument("--regenerate", action="store_true",
+                   help="have the target answer the prompts itself first (or use `sglang-dflash regenerate`)")
     t.add_argument("--regen-temperature", type=float, default=0.0)
     t.add_argument("--feature-cache", help="directory to cache the target's features in")
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -108,6 +175,7 @@ def train(args: argparse.Namespace) -> int:
 def generate(args: argparse.Namespace) -> int:
     import torch
 
+    from sglang_dflash.drafters import resolve_draft
     from sglang_dflash.engine import DFlashDrafter, Generator, HFTarget, SamplingParams
     from sglang_dflash.engine.drafters import NoDrafter
     from sglang_dflash.models import load_draft
@@ -119,7 +187,7 @@ def generate(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = HFTarget.from_pretrained(args.target, device=device, cache_dir=args.cache_dir)
     if args.draft:
-        drafter = DFlashDrafter(load_draft(args.draft, device=device), target)
+        drafter = DFlashDrafter(load_draft(resolve_draft(args.draft), device=device), target)
         block_size = args.block_size or drafter.max_block_size
     else:
         drafter, block_size = NoDrafter(), args.block_size or 1
@@ -152,7 +220,8 @@ def generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": generate, "train": train}[args.command](args)
+        commands = {"generate": generate, "train": train, "regenerate": regenerate, "demo": demo}
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, RuntimeError, KeyError) as e:
         print(f"sglang-dflash: error: {e}", file=sys.stderr)
         return 2

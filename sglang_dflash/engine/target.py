@@ -16,6 +16,7 @@ import transformers
 from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from sglang_dflash.engine import grouped_attention
 from sglang_dflash.engine.packaged import PACKAGED_MODELS, packaged_model_dir
 
 # transformers 5.24 renamed the forward's `past_key_values=` to `cache=` (old name deprecated).
@@ -24,6 +25,7 @@ _CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24.0")
 
 class HFTarget:
     def __init__(self, model: transformers.PreTrainedModel, tokenizer=None):
+        model.set_attn_implementation(grouped_attention.NAME)
         self.model = model.eval()
         self.tokenizer = tokenizer
         decoder = model.get_decoder()
@@ -81,7 +83,8 @@ class HFTarget:
             self._captured[layer_id] = out
         return hook
 
-    def _taps(self) -> torch.Tensor | None:
+    def take_taps(self) -> torch.Tensor | None:
+        """The tapped layers' outputs of the last forward, concatenated [..., K*H] (None: no taps)."""
         if not self.tap_layer_ids:
             return None
         taps = torch.cat([self._captured[i] for i in self.tap_layer_ids], dim=-1)
@@ -114,7 +117,7 @@ class HFTarget:
             positions = torch.arange(length, device=self.device).expand(len(members), -1)
             cache = DynamicCache()
             out = self._forward(ids, positions, None, cache, logits_to_keep=1)
-            t = self._taps()
+            t = self.take_taps()
             for j, i in enumerate(members):
                 last_logits[i] = out.logits[j, -1]
                 taps[i] = None if t is None else t[j]
@@ -146,7 +149,7 @@ class HFTarget:
         mask = torch.cat([self._valid, self._valid.new_ones(bs, block)], dim=1)
         out = self._forward(tokens, positions, mask.long(), self._cache)
         self._valid, self._block = mask, block
-        return out.logits.reshape(bs * block, -1), self._taps()
+        return out.logits.reshape(bs * block, -1), self.take_taps()
 
     def commit(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Keep the first keep[b] tokens of the last verified block in row b (rolling back the

@@ -8,18 +8,23 @@ turns; plain text (and source code) is trained on every token. Known record sche
   {"prompt", "response" | "completion" | "output"}   single turn
   {"instruction", "output"} (+ optional "input")     Alpaca
   {"text"}                                           plain text
+  {"prompt"} alone                                   a prompt to regenerate an answer for
+A source may also be `python-stdlib-functions`: HumanEval-style prompts built from this Python's
+standard library (train/code_prompts.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from sglang_dflash.train.code_prompts import STDLIB_FUNCTIONS, stdlib_function_prompts
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
@@ -29,10 +34,14 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 class Example:
     input_ids: torch.Tensor  # int64 [L]
     loss_mask: torch.Tensor  # bool [L]: the tokens the drafter learns to predict
+    features: torch.Tensor | None = None  # [L, K*H] target taps captured at generation (train/regenerate.py)
 
 
 def iter_records(path: str | Path) -> Iterator[dict]:
     """Records of a .jsonl / .json file, or {"text": source} for each .py file under a directory."""
+    if str(path) == STDLIB_FUNCTIONS:
+        yield from ({"prompt": p} for p in stdlib_function_prompts())
+        return
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"training data {path} does not exist")
@@ -77,6 +86,21 @@ def to_conversation(record: dict) -> list[dict] | str:
         return record["text"]
     raise ValueError(f"unknown training record schema with keys {sorted(record)}; expected one of: messages, "
                      "conversations, question/answer, prompt/response, instruction/output, text")
+
+
+def to_prompt(record: dict) -> list[dict]:
+    """The messages a target answers when its answer is regenerated: everything before the first
+    assistant turn (or the record's lone prompt)."""
+    answer_keys = {"response", "completion", "output", "answer"}
+    if "prompt" in record and not answer_keys & record.keys():
+        return [{"role": "user", "content": record["prompt"]}]
+    item = to_conversation(record)
+    if isinstance(item, str):
+        raise ValueError("a plain-text record has no prompt to regenerate an answer for")
+    turn = next((i for i, m in enumerate(item) if m["role"] == "assistant"), len(item))
+    if turn == 0:
+        raise ValueError("conversation starts with an assistant turn; nothing to prompt the target with")
+    return item[:turn]
 
 
 def chat_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
@@ -125,16 +149,15 @@ def chunk_text(example: Example, max_len: int) -> list[Example]:
 
 
 def load_examples(path: str | Path, tokenizer, max_len: int, limit: int | None = None,
-                  rewrite: Callable[[list[dict], int], list[dict]] | None = None, min_len: int = 8) -> list[Example]:
+                  min_len: int = 8) -> list[Example]:
     """Tokenized examples of a data source (its first `limit` records); plain texts are cut into
-    windows of max_len tokens, conversations truncated; `rewrite(messages, record_index)` may
-    replace a conversation first (e.g. regenerate its answer). Shorter examples are dropped."""
+    windows of max_len tokens, conversations truncated. Shorter examples are dropped."""
     records = list(itertools.islice(iter_records(path), limit))
     examples = []
-    for n, record in enumerate(tqdm(records, desc=f"tokenize {Path(path).name}", unit="record")):
+    for record in tqdm(records, desc=f"tokenize {Path(path).name}", unit="record"):
         item = to_conversation(record)
         if isinstance(item, str):
             examples += chunk_text(tokenize(tokenizer, item, max_len=1 << 62), max_len)
         else:
-            examples.append(tokenize(tokenizer, rewrite(item, n) if rewrite else item, max_len))
+            examples.append(tokenize(tokenizer, item, max_len))
     return [e for e in examples if e.input_ids.numel() >= min_len and bool(e.loss_mask.any())]

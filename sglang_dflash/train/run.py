@@ -9,24 +9,9 @@ import torch
 
 from sglang_dflash.engine import HFTarget
 from sglang_dflash.models import DFlashConfig, DFlashDraftModel, load_draft
-from sglang_dflash.train.data import load_examples
+from sglang_dflash.train.data import Example, load_examples
+from sglang_dflash.train.regenerate import generate_examples, is_feature_dataset, read_feature_dataset, source_prompts
 from sglang_dflash.train.trainer import TrainConfig, Trainer, draft_config_for
-
-
-@torch.no_grad()
-def regenerate(model, tokenizer, conversation: list[dict], max_new_tokens: int, temperature: float,
-               seed: int) -> list[dict]:
-    """The conversation with its first assistant turn rewritten by the target itself (greedy at
-    temperature 0), so the drafter learns the target's own distribution."""
-    turn = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
-    prompt = tokenizer.apply_chat_template(conversation[:turn], tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
-    torch.manual_seed(seed)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-                         top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    reply = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    return conversation[:turn] + [{"role": "assistant", "content": reply}]
 
 
 def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: int = 512,
@@ -34,18 +19,12 @@ def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: in
                   regen_temperature: float = 0.0, feature_cache: str | None = None,
                   device: str = "cpu") -> list[dict]:
     """Train (or resume) the drafter in cfg.out for `target` (a model directory or a packaged
-    model name such as "smollm2-135m") on `data` (jsonl files or source directories)."""
+    model name such as "smollm2-135m") on `data`: jsonl files, source directories, or feature
+    datasets written by `sglang-dflash regenerate`. With `regenerate_answers` the target first
+    answers the sources' prompts itself (max_len new tokens each)."""
     hf = HFTarget.from_pretrained(target, dtype=torch.float32, device=device)
     if hf.tokenizer is None:
         raise ValueError(f"target {target} has no tokenizer files; training needs one to read the data")
-    rewrite = None
-    if regenerate_answers:
-        def rewrite(messages, n):
-            return regenerate(hf.model, hf.tokenizer, messages, max_new_tokens=max_len,
-                              temperature=regen_temperature, seed=cfg.seed + n)
-    examples = [e for source in data for e in load_examples(source, hf.tokenizer, max_len, limit, rewrite)]
-    random.Random(cfg.seed).shuffle(examples)
-    held, train = examples[:held_out], examples[held_out:]
     out = Path(cfg.out)
     if (out / "config.json").exists():
         draft = load_draft(out, device=device)
@@ -58,6 +37,18 @@ def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: in
         with torch.no_grad():
             draft.norm.weight.copy_(hf.final_norm.weight)
     _check_compatible(draft.config, hf.model.config)
+    layer_ids = tuple(draft.config.target_layer_ids)
+    examples: list[Example] = []
+    for source in data:
+        if is_feature_dataset(source):
+            examples += read_feature_dataset(source, layer_ids)[:limit]
+        elif regenerate_answers:
+            prompts = source_prompts(hf, source, limit)
+            examples += generate_examples(hf, prompts, layer_ids, max_len, regen_temperature, cfg.seed)
+        else:
+            examples += load_examples(source, hf.tokenizer, max_len, limit)
+    random.Random(cfg.seed).shuffle(examples)
+    held, train = examples[:held_out], examples[held_out:]
     trainer = Trainer(hf.model, draft, train, held, cfg, feature_cache=feature_cache)
     trainer.resume()
     return trainer.run()
@@ -67,4 +58,3 @@ def _check_compatible(config: DFlashConfig, target_config) -> None:
     if config.hidden_size != target_config.hidden_size or config.vocab_size != target_config.vocab_size:
         raise ValueError(f"drafter (hidden {config.hidden_size}, vocab {config.vocab_size}) does not fit the "
                          f"target (hidden {target_config.hidden_size}, vocab {target_config.vocab_size})")
-

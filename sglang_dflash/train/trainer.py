@@ -42,12 +42,19 @@ class TrainConfig:
     num_anchors: int = 32
     gamma: float | None = None  # loss decay; default by block size (7 for B 16, 4 for B 8)
     kl_weight: float = 0.0  # weight of KL(target || draft) added to the cross-entropy
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "bfloat16": autocast mixed precision (fast on GPUs and bf16-capable CPUs)
     eval_every: int = 100
     save_every: int = 100
     seed: int = 0
     target_layer_ids: tuple[int, ...] | None = None
     mask_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"TrainConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.block_size < 2:
+            raise ValueError(f"TrainConfig.block_size must be >= 2 (one anchor and a token to draft), "
+                             f"got {self.block_size}")
 
     @property
     def loss_gamma(self) -> float:
@@ -99,6 +106,8 @@ class Trainer:
         self.features = TargetFeatures(target, draft.config.target_layer_ids, feature_cache)
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings().weight.detach()
+        if cfg.dtype == "bfloat16":  # frozen: cast once rather than in every autocast matmul
+            self.lm_head = self.lm_head.to(torch.bfloat16)
         if self.world > 1 and not torch.distributed.is_initialized():
             torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -137,13 +146,18 @@ class Trainer:
         ids = example.input_ids.to(device)
         packed = pack_blocks(ids, example.loss_mask.to(device), anchors.to(device), cfg.block_size,
                              self.draft.config.mask_token_id, cfg.loss_gamma)
-        features, target_logits = self.features(index, ids, with_logits=cfg.kl_weight > 0)
+        if example.features is not None and cfg.kl_weight == 0:
+            features, target_logits = example.features.to(device), None  # captured at regeneration
+        else:
+            features, target_logits = self.features(index, ids, with_logits=cfg.kl_weight > 0)
         with torch.no_grad():
             block_embeds = self.embed(packed.input_ids)
-        hidden = training_hidden(self.draft, features, block_embeds, packed.positions, packed.anchors,
-                                 cfg.block_size)
         rows = packed.weights > 0
-        logits = self.draft.logits(hidden[rows], self.lm_head).float()
+        # bfloat16: mixed precision (fp32 weights and optimizer state, bf16 matmuls, fp32 loss).
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+            hidden = training_hidden(self.draft, features, block_embeds, packed.positions, packed.anchors,
+                                     cfg.block_size)
+            logits = self.draft.logits(hidden[rows], self.lm_head).float()
         weights = packed.weights[rows]
         loss = (F.cross_entropy(logits, packed.labels[rows], reduction="none") * weights).sum()
         if target_logits is not None:

@@ -1,0 +1,52 @@
+"""`sglang-dflash demo` (`make demo`): a few prompts through DFlash on the packaged SmolLM2-135M
+target with the shipped drafter, next to plain decoding of the same target in the same engine:
+the text, tau and the speedup, and a check that greedy output is unchanged."""
+
+from __future__ import annotations
+
+import textwrap
+
+from sglang_dflash.train.code_prompts import complete_function_prompt
+
+DEMO_PROMPTS = [
+    "A baker makes 24 muffins in the morning and twice as many in the afternoon. She sells 50 of them. "
+    "How many muffins does she have left?",
+    complete_function_prompt('def count_vowels(text: str) -> int:\n    """Return the number of vowels '
+                             '(a, e, i, o, u, either case) in text.\n    >>> count_vowels("Hello World")\n'
+                             '    3\n    """\n'),
+    "Tom has 3 boxes with 12 pencils each. He gives 9 pencils to his sister. How many pencils does he have now?",
+    complete_function_prompt('def running_max(values: list[int]) -> list[int]:\n    """Return the list whose '
+                             'i-th item is the largest of values[0..i].\n    >>> running_max([1, 3, 2, 5])\n'
+                             '    [1, 3, 3, 5]\n    """\n'),
+]
+
+
+def run_demo(target_name: str, draft_name: str, block_size: int | None, max_new_tokens: int, device: str) -> int:
+    from sglang_dflash.drafters import resolve_draft
+    from sglang_dflash.engine import DFlashDrafter, HFTarget, SamplingParams
+    from sglang_dflash.engine.compare import compare
+    from sglang_dflash.models import load_draft
+
+    target = HFTarget.from_pretrained(target_name, device=device)
+    drafter = DFlashDrafter(load_draft(resolve_draft(draft_name), device=device), target)
+    block_size = block_size or drafter.max_block_size
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    print(f"DFlash demo: target {target_name}, drafter {draft_name}, block size {block_size}, greedy, "
+          f"{max_new_tokens} new tokens, batch size 1\n")
+    spec_s = plain_s = 0.0
+    identical = True
+    for i, prompt in enumerate(DEMO_PROMPTS, 1):
+        (result,) = compare(target, drafter, [prompt], [block_size], params)
+        s = result.summary()
+        out = result.spec[0]
+        spec_s += out.stats.wall_s - out.stats.prefill_s
+        plain_s += result.plain[0].stats.wall_s - result.plain[0].stats.prefill_s
+        identical &= bool(s["greedy_identical"])
+        print(f"--- prompt {i}: {textwrap.shorten(prompt, 100)}")
+        print(textwrap.indent(out.text.strip(), "    "))
+        print(f"    tau {s['tau_token_weighted']:.2f} tokens per target pass | {s['spec_tok_s']:.1f} tok/s with "
+              f"DFlash vs {s['plain_tok_s']:.1f} plain | speedup {s['speedup']:.2f}x | "
+              f"same text as plain decoding: {s['greedy_identical']}\n")
+    print(f"overall decode speedup {plain_s / max(spec_s, 1e-9):.2f}x; "
+          f"output identical to plain greedy decoding: {identical}")
+    return 0 if identical else 1

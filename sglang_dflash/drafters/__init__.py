@@ -1,0 +1,14 @@
+"""Drafters that ship inside the package (z-lab format, each with a model card README.md),
+addressable by name wherever a draft checkpoint directory is accepted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHIPPED_DRAFTER = "smollm2-135m-dflash-b8"  # for the packaged smollm2-135m target
+SHIPPED_DRAFTERS = {SHIPPED_DRAFTER: Path(__file__).parent / SHIPPED_DRAFTER}
+
+
+def resolve_draft(name_or_dir: str | Path) -> Path:
+    """The directory of a shipped drafter by name, else the path itself."""
+    return SHIPPED_DRAFTERS.get(str(name_or_dir), Path(name_or_dir))

@@ -1,0 +1,59 @@
+"""Speculative against plain decoding of the same prompts in the same engine, side by side: the
+numbers the demo prints and the end-to-end benchmark records.
+
+Each prompt runs alone (batch size 1): plain decoding once, then speculative decoding at every
+block size, so both see the same machine state. Speed is decode tokens per second (prefill
+excluded: it is the same work in both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sglang_dflash.engine.drafters import NoDrafter
+from sglang_dflash.engine.generator import GenerationResult, Generator, SamplingParams
+
+
+def decode_rate(results: list[GenerationResult]) -> float:
+    """Decode tokens per second: tokens after the prefill token over the time after prefill."""
+    tokens = sum(len(r.output_ids) - 1 for r in results)
+    return tokens / max(sum(r.stats.wall_s - r.stats.prefill_s for r in results), 1e-9)
+
+
+@dataclasses.dataclass
+class Comparison:
+    block_size: int
+    params: SamplingParams
+    spec: list[GenerationResult]
+    plain: list[GenerationResult]
+
+    def summary(self) -> dict:
+        """tau (token-weighted: committed tokens over verify steps; and the mean over prompts),
+        speedup of decode tokens/s, the accepted-drafts histogram, and for greedy decoding
+        whether every speculative output equals the plain one (None when sampled)."""
+        tokens = sum(r.stats.tokens - 1 for r in self.spec)
+        steps = sum(r.stats.steps for r in self.spec)
+        spec_rate, plain_rate = decode_rate(self.spec), decode_rate(self.plain)
+        return dict(
+            block_size=self.block_size, temperature=self.params.temperature, samples=len(self.spec),
+            tau_token_weighted=tokens / max(steps, 1),
+            tau_per_sample_mean=sum(r.stats.tau for r in self.spec) / max(len(self.spec), 1),
+            speedup=spec_rate / plain_rate, spec_tok_s=spec_rate, plain_tok_s=plain_rate,
+            accept_histogram=[sum(r.stats.accept_hist[k] for r in self.spec) for k in range(self.block_size)],
+            greedy_identical=None if self.params.temperature > 0 else all(
+                a.output_ids == b.output_ids for a, b in zip(self.spec, self.plain, strict=True)))
+
+
+def compare(target, drafter, prompts: list, block_sizes: list[int], params: SamplingParams,
+            chat: bool = True, progress=None) -> list[Comparison]:
+    """Plain and speculative decoding of every prompt; one Comparison per block size.
+    `progress` (optional) is called once per prompt."""
+    plain: list[GenerationResult] = []
+    spec: dict[int, list[GenerationResult]] = {b: [] for b in block_sizes}
+    for prompt in prompts:
+        plain += Generator(target, NoDrafter(), 1).generate([prompt], params, chat=chat)
+        for block_size in block_sizes:
+            spec[block_size] += Generator(target, drafter, block_size).generate([prompt], params, chat=chat)
+        if progress:
+            progress()
+    return [Comparison(b, params, spec[b], plain) for b in block_sizes]

@@ -1,0 +1,74 @@
+"""Speculative vs plain decoding side by side (engine/compare.py), the demo that prints it with
+the shipped drafter, and the end-to-end benchmark script on a small slice."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_dflash.drafters import SHIPPED_DRAFTER, SHIPPED_DRAFTERS, resolve_draft
+from sglang_dflash.engine import DFlashDrafter, SamplingParams
+from sglang_dflash.engine.compare import compare
+from sglang_dflash.models import load_draft
+from tests.dflash_testlib import random_draft, tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_comparison_summary_is_consistent_with_the_runs():
+    target = tiny_target(seed=2)
+    drafter = DFlashDrafter(random_draft(target, block_size=8), target)
+    prompts = [[3, 9, 14, 22], [5, 6, 40, 41, 42, 43, 10]]
+    params = SamplingParams(max_new_tokens=20)
+    comparisons = compare(target, drafter, prompts, [4, 8], params, chat=False)
+    assert [c.block_size for c in comparisons] == [4, 8]
+    for c in comparisons:
+        s = c.summary()
+        assert s["greedy_identical"] is True
+        steps = sum(r.stats.steps for r in c.spec)
+        assert sum(s["accept_histogram"]) == steps and len(s["accept_histogram"]) == c.block_size
+        tokens = sum(len(r.output_ids) - 1 for r in c.spec)
+        assert s["tau_token_weighted"] == pytest.approx(tokens / steps)
+        assert s["speedup"] == pytest.approx(s["spec_tok_s"] / s["plain_tok_s"])
+    assert comparisons[0].plain is comparisons[1].plain, "plain decoding runs once for all block sizes"
+    sampled = compare(target, drafter, prompts[:1], [4], SamplingParams(temperature=1.0, max_new_tokens=8),
+                      chat=False)[0]
+    assert sampled.summary()["greedy_identical"] is None
+
+
+def test_shipped_drafter_loads_by_name():
+    assert resolve_draft(SHIPPED_DRAFTER) == SHIPPED_DRAFTERS[SHIPPED_DRAFTER]
+    assert resolve_draft("some/dir") == Path("some/dir")
+    directory = SHIPPED_DRAFTERS[SHIPPED_DRAFTER]
+    assert (directory / "README.md").read_text().startswith("# ")
+    draft = load_draft(directory)
+    assert draft.config.hidden_size == 576 and draft.config.vocab_size == 49152
+    assert sum(p.numel() for p in draft.parameters()) * 2 <= (directory / "model.safetensors").stat().st_size + 2**16
+
+
+def test_demo_runs_the_shipped_drafter_and_matches_plain_decoding(capsys):
+    from sglang_dflash.cli import main
+
+    assert main(["demo", "--max-new-tokens", "24", "--threads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("tau ") == 4 and out.count("same text as plain decoding: True") == 4
+    assert "output identical to plain greedy decoding: True" in out
+
+
+def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
+    out = tmp_path / "e2e.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_e2e.py"), "--datasets", "gsm8k", "--samples",
+                          "2", "--block-sizes", "4", "8", "--temperatures", "0", "1", "--max-new-tokens", "12",
+                          "--threads", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "tau(tok)" in run.stdout
+    result = json.loads(out.read_text())
+    assert [(c["temperature"], c["block_size"]) for c in result["cases"]] == [(0.0, 4), (0.0, 8), (1.0, 4), (1.0, 8)]
+    assert all(c["greedy_identical"] for c in result["cases"] if c["temperature"] == 0)
+    assert all(c["tau_token_weighted"] >= 1 for c in result["cases"])
+    assert out.with_name("e2e_tau_hist.png").stat().st_size > 1000
+    assert out.with_name("e2e_speedup.png").stat().st_size > 1000

@@ -1,0 +1,144 @@
+"""Regenerated training data: the target's own batched answers and the features captured with
+them, the on-disk feature dataset, prompts of each source, and training straight from it."""
+
+import json
+
+import pytest
+import torch
+
+from sglang_dflash.models import DFlashDraftModel
+from sglang_dflash.train.code_prompts import STDLIB_FUNCTIONS, complete_function_prompt, stdlib_function_prompts
+from sglang_dflash.train.data import Example, iter_records, to_prompt
+from sglang_dflash.train.regenerate import (
+    generate_batch,
+    generate_examples,
+    read_feature_dataset,
+    write_feature_dataset,
+)
+from sglang_dflash.train.trainer import TrainConfig, Trainer, draft_config_for
+from tests.dflash_testlib import hf_greedy, tiny_target
+
+TAPS = (0, 2, 3)
+
+
+def prompts_of(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(8, 96, (n,), generator=gen).tolist() for n in lengths]
+
+
+def full_forward_taps(target, ids: torch.Tensor) -> torch.Tensor:
+    target.set_taps(TAPS)
+    with torch.no_grad():
+        target.model(ids[None])
+    return target.take_taps()[0]
+
+
+def test_batched_answers_equal_greedy_decoding_and_features_equal_a_full_forward():
+    """Prompts of different lengths share a left-padded batch; each answer must be exactly the
+    target's own greedy continuation of its prompt alone, and the captured features those of one
+    forward over prompt + answer."""
+    target = tiny_target(seed=4)
+    prompts = prompts_of([3, 11, 6, 17, 9])
+    target.set_taps(TAPS)
+    unstopped = generate_batch(target, prompts, max_new_tokens=24, stop_ids=[])
+    # A stop token that some answers reach early and others never emit.
+    answers = [e.input_ids[len(p):].tolist() for p, e in zip(prompts, unstopped, strict=True)]
+    stop = next(t for t in answers[0][2:] if sum(t in a for a in answers) < len(answers))
+    examples = generate_batch(target, prompts, max_new_tokens=24, stop_ids=[stop])
+    stopped = 0
+    for prompt, example in zip(prompts, examples, strict=True):
+        answer = example.input_ids[len(prompt):].tolist()
+        assert example.input_ids[:len(prompt)].tolist() == prompt
+        assert answer == hf_greedy(target, prompt, 24, stop)
+        assert example.loss_mask.tolist() == [False] * len(prompt) + [True] * len(answer)
+        stopped += answer[-1] == stop and len(answer) < 24
+        assert example.features.dtype == torch.bfloat16
+        expected = full_forward_taps(target, example.input_ids)
+        torch.testing.assert_close(example.features.float(), expected, rtol=1e-2, atol=1e-2)
+    assert 0 < stopped < len(prompts), "the test needs rows that stop early and rows that run to the limit"
+
+
+def test_sampled_answers_follow_the_seed():
+    target = tiny_target(seed=4)
+    prompts = prompts_of([5, 7, 4])
+
+    def answers(seed):
+        return [e.input_ids.tolist() for e in generate_examples(target, prompts, TAPS, 16, temperature=1.0,
+                                                                seed=seed, batch_size=2)]
+    assert answers(1) == answers(1)
+    assert answers(1) != answers(2)
+    assert target.tap_layer_ids == (), "generation must restore the target's taps"
+
+
+def test_feature_dataset_round_trip_and_layer_check(tmp_path):
+    target = tiny_target(seed=4)
+    examples = list(generate_examples(target, prompts_of([4, 9, 6, 12, 5]), TAPS, 12, batch_size=2))
+    assert write_feature_dataset(tmp_path / "ds", examples, {"layer_ids": list(TAPS)}, shard_size=2) == 5
+    assert len(list((tmp_path / "ds").glob("shard_*.pt"))) == 3
+    loaded = read_feature_dataset(tmp_path / "ds", TAPS)
+    assert len(loaded) == 5
+    for a, b in zip(examples, loaded, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.features, b.features)
+    with pytest.raises(ValueError, match=r"holds target layers \[0, 2, 3\].*--target-layer-ids 1,2"):
+        read_feature_dataset(tmp_path / "ds", (1, 2))
+    with pytest.raises(FileNotFoundError, match="not a feature dataset"):
+        read_feature_dataset(tmp_path)
+
+
+def test_training_on_captured_features_matches_training_on_recomputed_ones():
+    """The trainer uses an example's captured features instead of running the target again; the
+    loss must be the same as with features recomputed by a full forward (up to bf16 rounding)."""
+    target = tiny_target(seed=4)
+    examples = list(generate_examples(target, prompts_of([6, 8, 7]), TAPS, 30, batch_size=3))
+    cfg = TrainConfig(out="unused", block_size=4, layers=2, num_anchors=8, mask_token_id=5, target_layer_ids=TAPS)
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(draft_config_for(target.model.config, None, cfg))
+    trainer = Trainer(target.model, draft, examples, examples, cfg)
+    without = [Example(e.input_ids, e.loss_mask) for e in examples]
+    for i, (with_features, plain) in enumerate(zip(examples, without, strict=True)):
+        anchors = torch.tensor([2, 5, 9])
+        a = trainer.sequence_loss(i, with_features, anchors)
+        b = trainer.sequence_loss(i, plain, anchors)
+        torch.testing.assert_close(a[0], b[0], rtol=2e-2, atol=1e-3)
+
+
+def test_prompts_of_each_record_kind():
+    assert to_prompt({"prompt": "hi"}) == [{"role": "user", "content": "hi"}]
+    assert to_prompt({"question": "q", "answer": "a"}) == [{"role": "user", "content": "q"}]
+    chat = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                         {"role": "assistant", "content": "a"}, {"role": "user", "content": "u2"}]}
+    assert to_prompt(chat) == chat["messages"][:2]
+    with pytest.raises(ValueError, match="plain-text record has no prompt"):
+        to_prompt({"text": "x"})
+    with pytest.raises(ValueError, match="starts with an assistant turn"):
+        to_prompt({"messages": [{"role": "assistant", "content": "a"}]})
+
+
+def test_stdlib_function_prompts_are_humaneval_style_stubs():
+    prompts = stdlib_function_prompts()
+    assert len(prompts) > 500
+    assert prompts[:3] == [r["prompt"] for r in list(iter_records(STDLIB_FUNCTIONS))[:3]]
+    for prompt in prompts[:50]:
+        code = prompt.removeprefix(complete_function_prompt("")[:-3]).removesuffix("```")
+        assert code.startswith("def ") and '"""' in code or "'''" in code, prompt
+        compile(code + "    pass\n", "<stub>", "exec")  # a stub is valid Python once given a body
+
+
+def test_regenerate_command_writes_a_dataset_train_reads(tmp_path):
+    """`sglang-dflash regenerate` on the real SmolLM2 target and GSM8K prompts, then `train` on
+    the written feature dataset."""
+    from sglang_dflash.cli import main
+    from tests.test_train_data import GSM8K
+
+    data = tmp_path / "regen"
+    assert main(["regenerate", "--target", "smollm2-135m", "--data", str(GSM8K), "--limit", "3", "--out", str(data),
+                 "--target-layer-ids", "2,20", "--max-new-tokens", "12", "--batch-size", "2", "--threads", "2"]) == 0
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["examples"] == 3 and meta["layer_ids"] == [2, 20]
+    out = tmp_path / "draft"
+    base = ["train", "--target", "smollm2-135m", "--data", str(data), "--out", str(out), "--held-out", "1",
+            "--num-anchors", "2", "--layers", "1", "--block-size", "4", "--steps", "2", "--threads", "2"]
+    assert main(base) == 2, "a drafter tapping other layers than the dataset must be refused"
+    assert main(base + ["--target-layer-ids", "2,20"]) == 0
+    assert (out / "model.safetensors").exists()
