@@ -274,7 +274,7 @@ def plot_history(history: list[dict], path: Path) -> None:
     ax_loss.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8, label="train")
     evals = [h for h in history if "tau" in h]
     ax_loss.plot([h["step"] for h in evals], [h["held_out_loss"] for h in evals], "o-", label="held-out")
-    ax_loss.set(xlabel="step", ylabel="weighted CE", title="loss")
+    ax_loss.set(xlabel="step", ylabel="weighted CE", title="loss", yscale="log")  # the first steps are ~10x the rest
     ax_loss.legend()
     ax_tau.plot([h["step"] for h in evals], [h["tau"] for h in evals], "o-")
     ax_tau.set(xlabel="step", ylabel="tokens per verify step", title="held-out tau (teacher-forced)")
