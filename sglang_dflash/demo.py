@@ -24,7 +24,7 @@ DEMO_PROMPTS = [
 def run_demo(target_name: str, draft_name: str, block_size: int | None, max_new_tokens: int, device: str) -> int:
     from sglang_dflash.drafters import resolve_draft
     from sglang_dflash.engine import DFlashDrafter, HFTarget, SamplingParams
-    from sglang_dflash.engine.compare import compare
+    from sglang_dflash.engine.compare import compare, decode_rate
     from sglang_dflash.models import load_draft
 
     target = HFTarget.from_pretrained(target_name, device=device)
@@ -33,20 +33,20 @@ def run_demo(target_name: str, draft_name: str, block_size: int | None, max_new_
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     print(f"DFlash demo: target {target_name}, drafter {draft_name}, block size {block_size}, greedy, "
           f"{max_new_tokens} new tokens, batch size 1\n")
-    spec_s = plain_s = 0.0
+    spec, plain = [], []
     identical = True
     for i, prompt in enumerate(DEMO_PROMPTS, 1):
         (result,) = compare(target, drafter, [prompt], [block_size], params)
         s = result.summary()
         out = result.spec[0]
-        spec_s += out.stats.wall_s - out.stats.prefill_s
-        plain_s += result.plain[0].stats.wall_s - result.plain[0].stats.prefill_s
+        spec += result.spec
+        plain += result.plain
         identical &= bool(s["greedy_identical"])
         print(f"--- prompt {i}: {textwrap.shorten(prompt, 100)}")
         print(textwrap.indent(out.text.strip(), "    "))
         print(f"    tau {s['tau_token_weighted']:.2f} tokens per target pass | {s['spec_tok_s']:.1f} tok/s with "
               f"DFlash vs {s['plain_tok_s']:.1f} plain | speedup {s['speedup']:.2f}x | "
               f"same text as plain decoding: {s['greedy_identical']}\n")
-    print(f"overall decode speedup {plain_s / max(spec_s, 1e-9):.2f}x; "
+    print(f"overall decode speedup {decode_rate(spec) / decode_rate(plain):.2f}x; "
           f"output identical to plain greedy decoding: {identical}")
     return 0 if identical else 1
