@@ -2,7 +2,11 @@
 
 Prints, per shape, the median time of both, the ratio (reference / kernel) and the kernel's
 achieved bandwidth over the bytes it must read (context K/V for block_attention; for
-verify_block the logits rows up to each request's first rejection), and writes the table to bench/results/cpu_ops.json.
+verify_block the logits rows up to each request's first rejection; for skinny_linear the
+weights, also as % of this machine's measured copy bandwidth, its roofline), and writes the
+table to bench/results/cpu_ops.json. skinny_linear's baseline is torch's own F.linear (BLAS),
+the op it replaces; its weights are SmolLM2-135M's shapes, as many copies as the model has
+layers, so they stream from memory as in a decode step rather than sitting in cache.
 
     python bench/bench_ops.py [--quick] [--out bench/results/cpu_ops.json]
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -41,6 +46,16 @@ VERIFY_SHAPES = [
     (8, 16, 151936, 0.0, "agree"),
     (8, 16, 151936, 0.0, "random"),
     (1, 16, 151936, 1.0, "agree"),
+]
+# (rows, N, K, copies, dtype): SmolLM2-135M's LM head, and its 30 layers' MLP up projections.
+LINEAR_SHAPES = [
+    (1, 49152, 576, 1, torch.float32),
+    (4, 49152, 576, 1, torch.float32),
+    (8, 49152, 576, 1, torch.float32),
+    (1, 1536, 576, 30, torch.float32),
+    (4, 1536, 576, 30, torch.float32),
+    (8, 1536, 576, 30, torch.float32),
+    (7, 49152, 576, 1, torch.bfloat16),
 ]
 
 
@@ -89,6 +104,26 @@ def bench_verify(shape, repeats):
                 kernel_GBps=rows_read * vocab * logits.element_size() / kernel / 1e9)
 
 
+def copy_bandwidth() -> float:
+    """Bytes per second a 256 MiB tensor copy moves (read + write): the memory roofline."""
+    src = torch.randn(64 << 20)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), 5)
+
+
+def bench_skinny_linear(shape, repeats, bandwidth):
+    rows, n, k, copies, dtype = shape
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    kernel = median_time(lambda: [ops.skinny_linear(x, w) for w in weights], repeats)
+    blas = median_time(lambda: [torch.nn.functional.linear(x, w) for w in weights], repeats)
+    gbps = copies * n * k * x.element_size() / kernel / 1e9
+    return dict(op="skinny_linear", rows=rows, N=n, K=k, copies=copies, dtype=str(dtype).removeprefix("torch."),
+                baseline="F.linear", kernel_ms=kernel * 1e3, reference_ms=blas * 1e3, ratio=blas / kernel,
+                kernel_GBps=gbps, roofline_pct=100 * gbps * 1e9 / bandwidth)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="first shape of each op, few repeats")
@@ -97,18 +132,24 @@ def main():
     repeats = 3 if opts.quick else 10
     jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
+    bandwidth = copy_bandwidth()
+    jobs += [(functools.partial(bench_skinny_linear, bandwidth=bandwidth), s)
+             for s in LINEAR_SHAPES[: 1 if opts.quick else None]]
     rows = [fn(shape, repeats) for fn, shape in tqdm(jobs, desc="benchmark", unit="shape")]
 
-    print(f"\nCPU: {platform.processor() or platform.machine()}, torch threads: {torch.get_num_threads()}")
+    print(f"\nCPU: {platform.processor() or platform.machine()}, torch threads: {torch.get_num_threads()}, "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     for row in rows:
-        timing = ("kernel_ms", "reference_ms", "ratio", "kernel_GBps", "kernel_GFLOPs")
+        timing = ("kernel_ms", "reference_ms", "ratio", "kernel_GBps", "kernel_GFLOPs", "roofline_pct")
         shape = {k: v for k, v in row.items() if k != "op" and k not in timing}
         flops = f"   {row['kernel_GFLOPs']:6.1f} GFLOP/s" if "kernel_GFLOPs" in row else ""
-        print(f"{row['op']:16s} {shape}\n    kernel {row['kernel_ms']:9.2f} ms   reference "
+        flops += f"   {row['roofline_pct']:5.1f}% of roofline" if "roofline_pct" in row else ""
+        print(f"{row['op']:16s} {shape}\n    kernel {row['kernel_ms']:9.2f} ms   {row.get('baseline', 'reference')} "
               f"{row['reference_ms']:9.2f} ms   ratio {row['ratio']:6.1f}x   {row['kernel_GBps']:6.1f} GB/s{flops}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(__file__)).stdout.strip()
     result = dict(device=f"CPU {platform.machine()}, {os.cpu_count()} cores", threads=torch.get_num_threads(),
+                  copy_GBps=bandwidth / 1e9,
                   date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__, cases=rows)
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
     with open(opts.out, "w") as f:

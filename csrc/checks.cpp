@@ -197,4 +197,30 @@ void check_verify_values(const at::Tensor& candidates, int64_t vocab) {
              vocab, ") of logits");
 }
 
+LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias) {
+  const char* op = "skinny_linear";
+  check_rank(op, "weight", weight, 2, "[N, K]");
+  SGLD_CHECK(x.dim() >= 1, op, "x must have at least 1 dimension [..., K], got a scalar");
+  SGLD_CHECK(x.size(-1) == weight.size(1), op, "x.shape[-1] must be K = weight.shape[1] = ",
+             weight.size(1), ", got x shape ", shape_of(x));
+  SGLD_CHECK(is_float_type(weight.scalar_type()), op,
+             "weight must be float32, bfloat16 or float16, got ", weight.scalar_type());
+  check_dtype(op, "x", x, weight.scalar_type());
+  SGLD_CHECK(weight.size(1) == 0 || weight.stride(1) == 1, op,
+             "weight must have a contiguous last dimension (stride 1), got strides ", weight.strides());
+  SGLD_CHECK(x.device().is_cpu() || x.device().is_meta(), op,
+             "is a CPU kernel; x is on ", x.device(), " (use torch.nn.functional.linear there)");
+  check_same_device(op, x, "weight", weight);
+  if (bias.has_value()) {
+    check_rank(op, "bias", *bias, 1, "[N]");
+    check_size(op, "bias", *bias, 0, weight.size(0), "N = weight.shape[0]");
+    check_dtype(op, "bias", *bias, weight.scalar_type());
+    check_same_device(op, x, "bias", *bias);
+  }
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  return {rows, weight.size(0), weight.size(1)};
+}
+
 }  // namespace sglang_dflash

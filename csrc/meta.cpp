@@ -40,6 +40,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_from_ids_meta(
   return verify_results(check_verify_ids_args(candidates, target_ids), candidates);
 }
 
+at::Tensor skinny_linear_meta(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias) {
+  check_skinny_linear_args(x, weight, bias);
+  auto sizes = x.sizes().vec();
+  sizes.back() = weight.size(0);
+  return at::empty(sizes, x.options());
+}
+
 }  // namespace
 }  // namespace sglang_dflash
 
@@ -47,4 +55,5 @@ TORCH_LIBRARY_IMPL(sglang_dflash, Meta, m) {
   m.impl("block_attention", &sglang_dflash::block_attention_meta);
   m.impl("verify_block", &sglang_dflash::verify_block_meta);
   m.impl("verify_block_from_ids", &sglang_dflash::verify_block_from_ids_meta);
+  m.impl("skinny_linear", &sglang_dflash::skinny_linear_meta);
 }

@@ -18,12 +18,14 @@ TORCH_LIBRARY(sglang_dflash, m) {
   m.def(
       "verify_block_from_ids(Tensor candidates, Tensor target_ids) -> (Tensor accept_len, "
       "Tensor bonus, Tensor out_tokens)");
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
   m.impl("block_attention", &sglang_dflash::cpu::block_attention);
   m.impl("verify_block", &sglang_dflash::cpu::verify_block);
   m.impl("verify_block_from_ids", &sglang_dflash::cpu::verify_block_from_ids);
+  m.impl("skinny_linear", &sglang_dflash::cpu::skinny_linear);
 }
 
 // Importing sglang_dflash._C runs the registrations above; the module itself has no members.

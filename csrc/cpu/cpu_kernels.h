@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <tuple>
 
 namespace sglang_dflash::cpu {
@@ -19,5 +20,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_from_ids(const at::Tensor& candidates,
                                                                      const at::Tensor& target_ids);
+
+// out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation, for few rows.
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias);
 
 }  // namespace sglang_dflash::cpu

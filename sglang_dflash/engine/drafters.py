@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import torch
 
+from sglang_dflash.engine.cpu_linear import use_skinny_linear
 from sglang_dflash.engine.target import HFTarget
 from sglang_dflash.models import DFlashDraftModel
 
 
 class DFlashDrafter:
-    def __init__(self, model: DFlashDraftModel, target: HFTarget):
+    """`head_dtype`: the dtype of the drafter's copy of the target's LM head. Drafts only propose
+    (the target's verify decides every token), so rounding here cannot change the output; bf16
+    halves the bytes of the widest matmul of a draft step (SmolLM2: 49152 x 576)."""
+
+    def __init__(self, model: DFlashDraftModel, target: HFTarget, head_dtype: torch.dtype = torch.bfloat16):
         c = model.config
         if c.hidden_size != target.hidden_size:
             raise ValueError(f"draft hidden_size {c.hidden_size} != target hidden size {target.hidden_size}")
@@ -26,7 +31,9 @@ class DFlashDrafter:
                              f"for a target with {target.num_layers} layers")
         if c.num_target_layers is not None and c.num_target_layers != target.num_layers:
             raise ValueError(f"draft num_target_layers {c.num_target_layers} != target's {target.num_layers} layers")
+        use_skinny_linear(model)
         self.model, self.target = model, target
+        self.lm_head_weight = target.lm_head_weight.detach().to(head_dtype)
         self.layer_ids = c.target_layer_ids
         self.max_block_size = c.block_size
         self._rows: dict[int, int] = {}
@@ -42,7 +49,7 @@ class DFlashDrafter:
         block[:, 0] = anchors
         hidden = self.model(self.target.embed(block).reshape(-1, self.target.hidden_size), rows, block_size)
         hidden = hidden.view(len(reqs), block_size, -1)[:, 1:]
-        return self.model.logits(hidden, self.target.lm_head_weight).argmax(-1)
+        return self.model.logits(hidden, self.lm_head_weight).argmax(-1)
 
     def commit(self, reqs: list[int], counts: list[int], taps: torch.Tensor) -> None:
         kept = torch.cat([taps[b, :n] for b, n in enumerate(counts)])

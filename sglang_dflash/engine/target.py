@@ -17,6 +17,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from sglang_dflash.engine import grouped_attention
+from sglang_dflash.engine.cpu_linear import use_skinny_linear
 from sglang_dflash.engine.packaged import PACKAGED_MODELS, packaged_model_dir
 
 # transformers 5.24 renamed the forward's `past_key_values=` to `cache=` (old name deprecated).
@@ -26,6 +27,7 @@ _CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24.0")
 class HFTarget:
     def __init__(self, model: transformers.PreTrainedModel, tokenizer=None):
         model.set_attn_implementation(grouped_attention.NAME)
+        use_skinny_linear(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         decoder = model.get_decoder()

@@ -10,7 +10,7 @@ import torch
 
 from sglang_dflash._extension import ops as _ops
 
-__all__ = ["block_attention", "verify_block", "verify_block_from_ids"]
+__all__ = ["block_attention", "skinny_linear", "verify_block", "verify_block_from_ids"]
 
 
 def block_attention(
@@ -73,3 +73,15 @@ def verify_block_from_ids(
     target_ids int [bs, B] or [bs * B]: the target's token after each candidate.
     """
     return _ops().verify_block_from_ids(candidates, target_ids)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` on the CPU for inputs of few rows (decode and verify steps), reading
+    the weight once; fp32 accumulation, output in x's dtype.
+
+    x [..., K], weight [N, K] (last dim contiguous), bias [N] or None, all of one float dtype.
+    Each output row is bitwise independent of the other rows of x (batch invariant), so verifying
+    B tokens computes exactly what decoding them one at a time computes. Returns [..., N].
+    """
+    return _ops().skinny_linear(x, weight, bias)
+

@@ -171,3 +171,13 @@ def verify_block(
     """Sample the target's token for every row, then accept as `verify_block_from_ids` does."""
     y = target_samples(logits, temperature, top_k, top_p, seed, offsets, candidates.shape[1])
     return verify_block_from_ids(candidates, y)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, computed in float64 and rounded once to x's dtype (the kernel
+    accumulates in fp32, so it agrees to fp32 rounding of a K-term sum)."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
+

@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 namespace sglang_dflash {
 
 struct BlockAttentionShape {
@@ -41,5 +43,15 @@ VerifyShape check_verify_ids_args(const at::Tensor& candidates, const at::Tensor
 
 // Value ranges of verify: candidates in [0, V) (when V > 0). CPU tensors only.
 void check_verify_values(const at::Tensor& candidates, int64_t vocab);
+
+struct LinearShape {
+  int64_t rows;  // M: x's leading dimensions flattened
+  int64_t out;   // N = weight.size(0)
+  int64_t in;    // K = weight.size(1) = x.size(-1)
+};
+
+// skinny_linear: x [..., K] and weight [N, K] (and bias [N]) of one float dtype on the CPU.
+LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias);
 
 }  // namespace sglang_dflash

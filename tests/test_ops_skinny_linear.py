@@ -1,0 +1,119 @@
+"""skinny_linear (the CPU few-row linear kernel) against its float64 reference, its batch
+invariance, its argument errors, and the SkinnyLinear modules the engine swaps into CPU models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang_dflash import ops
+from sglang_dflash.engine.cpu_linear import MAX_ROWS, SkinnyLinear, use_skinny_linear
+from sglang_dflash.ops import reference
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}  # relative to sum |x||w|
+
+
+def _inputs(rows, n, k, dtype, seed, bias=True, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, rows, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def _assert_close(out, x, w, b):
+    ref = reference.skinny_linear(x, w, b).double()
+    scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs()) + 1
+    err = ((out.double() - ref).abs() / scale).max().item()
+    assert err <= TOL[x.dtype], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (1, 64, 576), (3, 33, 8), (4, 96, 100), (5, 7, 1536),
+                                      (8, 257, 576), (16, 130, 19), (37, 20, 64)])
+def test_matches_reference(dtype, rows, n, k):
+    for seed, bias in ((rows * 131 + n, True), (k, False)):
+        x, w, b = _inputs(rows, n, k, dtype, seed, bias)
+        out = ops.skinny_linear(x, w, b)
+        assert out.shape == (rows, n) and out.dtype == dtype
+        _assert_close(out, x, w, b)
+
+
+def test_leading_dims_and_strided_inputs():
+    x, w, b = _inputs(3, 40, 72, torch.float32, 5, lead=(2,))
+    wide = torch.randn(40, 100)
+    wide[:, :72] = w  # weight rows 100 apart in memory
+    x_t = x.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous
+    out = ops.skinny_linear(x_t, wide[:, :72], b)
+    assert out.shape == (2, 3, 40)
+    _assert_close(out, x, w, b)
+
+
+def test_each_row_is_bitwise_independent_of_the_others():
+    """A verify pass over B tokens must compute exactly what one-token decode steps compute."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, b = _inputs(13, 101, 577, dtype, 11)
+        full = ops.skinny_linear(x, w, b)
+        for i in range(13):
+            assert torch.equal(ops.skinny_linear(x[i:i + 1], w, b)[0], full[i])
+        assert torch.equal(ops.skinny_linear(x[5:9], w, b), full[5:9])
+
+
+def test_empty_inputs():
+    assert ops.skinny_linear(torch.randn(0, 8), torch.randn(5, 8)).shape == (0, 5)
+    assert ops.skinny_linear(torch.randn(3, 8), torch.randn(0, 8)).shape == (3, 0)
+    out = ops.skinny_linear(torch.randn(2, 0), torch.randn(4, 0), torch.arange(4.0))
+    assert torch.equal(out, torch.arange(4.0).expand(2, 4))
+
+
+def test_meta_shape():
+    out = ops.skinny_linear(torch.empty(2, 3, 8, device="meta"), torch.empty(5, 8, device="meta"))
+    assert out.shape == (2, 3, 5) and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("x,w,b,match", [
+    (torch.randn(2, 8), torch.randn(5, 8, 1), None, r"weight must be 2-D \[N, K\]"),
+    (torch.randn(2, 7), torch.randn(5, 8), None, r"x.shape\[-1\] must be K = weight.shape\[1\] = 8"),
+    (torch.randn(2, 8), torch.randn(5, 8).double(), None, "weight must be float32, bfloat16 or float16"),
+    (torch.randn(2, 8).bfloat16(), torch.randn(5, 8), None, "x must be Float, got BFloat16"),
+    (torch.randn(2, 8), torch.randn(8, 5).T, None, "weight must have a contiguous last dimension"),
+    (torch.randn(2, 8), torch.randn(5, 8), torch.randn(4), r"bias.shape\[0\] must be N"),
+    (torch.randn(2, 8), torch.randn(5, 8), torch.randn(5).half(), "bias must be Float, got Half"),
+    (torch.tensor(1.0), torch.randn(5, 8), None, "x must have at least 1 dimension"),
+])
+def test_bad_arguments(x, w, b, match):
+    with pytest.raises(ValueError, match=match):
+        ops.skinny_linear(x, w, b)
+
+
+def test_module_swap_keeps_parameters_ties_and_falls_back():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 12, bias=False))
+    model[2].weight = model[0].weight  # tied, like an LM head and its embedding
+    params = [p.data_ptr() for p in model.parameters()]
+    few, many = torch.randn(3, 12), torch.randn(MAX_ROWS + 1, 12)
+    with torch.no_grad():
+        expected = [model(few), model(many)]
+    assert use_skinny_linear(model) == 2 and isinstance(model[0], SkinnyLinear)
+    assert [p.data_ptr() for p in model.parameters()] == params and model[2].weight is model[0].weight
+    calls = []
+    model[0].register_forward_hook(lambda *a: calls.append(1))  # hooks keep working
+    with torch.no_grad():
+        torch.testing.assert_close(model(few), expected[0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(model(many), expected[1])  # above MAX_ROWS: torch's own linear
+    assert len(calls) == 2
+    loss = model(few).square().sum()  # autograd on: torch's linear, gradients flow
+    loss.backward()
+    assert model[0].weight.grad is not None
+    assert use_skinny_linear(model) == 0  # already swapped
+
+
+def test_module_matches_torch_linear_for_few_rows():
+    layer = nn.Linear(64, 96)
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        expected = F.linear(x, layer.weight, layer.bias)
+        use_skinny_linear(layer)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
