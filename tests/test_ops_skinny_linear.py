@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_dflash import ops
-from sglang_dflash.engine.cpu_linear import MAX_ROWS, SkinnyLinear, use_skinny_linear
+from sglang_dflash.models.skinny import MAX_ROWS, SkinnyLinear, use_skinny_linear
 from sglang_dflash.ops import reference
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}  # relative to sum |x||w|

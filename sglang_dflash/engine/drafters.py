@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_dflash.engine.cpu_linear import use_skinny_linear
+from sglang_dflash.models.skinny import use_skinny_linear
 from sglang_dflash.engine.target import HFTarget
 from sglang_dflash.models import DFlashDraftModel
 

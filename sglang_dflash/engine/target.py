@@ -17,7 +17,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from sglang_dflash.engine import grouped_attention
-from sglang_dflash.engine.cpu_linear import use_skinny_linear
+from sglang_dflash.models.skinny import use_skinny_linear
 from sglang_dflash.engine.packaged import PACKAGED_MODELS, packaged_model_dir
 
 # transformers 5.24 renamed the forward's `past_key_values=` to `cache=` (old name deprecated).
@@ -157,6 +157,14 @@ class HFTarget:
         """Keep the first keep[b] tokens of the last verified block in row b (rolling back the
         rest), then keep only the batch rows `rows` (all when None) and re-align the cache."""
         width = self._valid.shape[1]
+        drop = self._block - keep
+        if rows is None and bool((drop == drop[0]).all()):
+            # Every row rolls back the same tail (always so at batch size 1): cut it off, no copy.
+            kept = width - int(drop[0])
+            for layer in self._cache.layers if kept < width else ():
+                layer.keys, layer.values = layer.keys[:, :, :kept], layer.values[:, :, :kept]
+            self._valid = self._valid[:, :kept]
+            return
         col = torch.arange(width, device=self._valid.device)[None]
         rejected = col >= width - self._block + keep.to(col.device)[:, None]
         valid = self._valid & ~rejected

@@ -14,6 +14,7 @@ from torch import nn
 
 from sglang_dflash.models.config import DFlashConfig
 from sglang_dflash.models.context_cache import ContextCache
+from sglang_dflash.models.skinny import linear
 from sglang_dflash.ops import block_attention
 
 
@@ -151,7 +152,7 @@ class DFlashDraftModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Draft logits through the target's LM head, with the checkpoint's output scaling."""
-        logits = hidden.to(lm_head_weight.dtype) @ lm_head_weight.T
+        logits = linear(hidden.to(lm_head_weight.dtype), lm_head_weight)
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
