@@ -134,10 +134,11 @@ def main() -> None:
     print(f"\n{args.target} + {args.draft}, bs 1, {torch.get_num_threads()} threads, "
           f"{args.max_new_tokens} new tokens, {args.samples} prompts per dataset")
     print(f"{'dataset':10s} {'T':>4s} {'B':>3s} {'tau(tok)':>9s} {'tau(mean)':>9s} {'speedup':>8s} "
-          f"{'spec tok/s':>10s} {'plain tok/s':>11s}")
+          f"{'spec tok/s':>10s} {'plain tok/s':>11s} {'spec step ms':>12s} {'(draft)':>7s} {'plain step ms':>13s}")
     for r in rows:
         print(f"{r['dataset']:10s} {r['temperature']:4.1f} {r['block_size']:3d} {r['tau_token_weighted']:9.2f} "
-              f"{r['tau_per_sample_mean']:9.2f} {r['speedup']:7.2f}x {r['spec_tok_s']:10.1f} {r['plain_tok_s']:11.1f}")
+              f"{r['tau_per_sample_mean']:9.2f} {r['speedup']:7.2f}x {r['spec_tok_s']:10.1f} {r['plain_tok_s']:11.1f} "
+              f"{r['spec_step_ms']:12.1f} {r['draft_ms_per_step']:7.1f} {r['plain_step_ms']:13.1f}")
     out = args.out or ROOT / "bench" / "results" / f"e2e_{Path(args.target).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -18,6 +18,11 @@ from tests.dflash_testlib import random_draft, tiny_target
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def plain_tau(c):
+    """Tokens per plain step: 1, except that the prefill token is not counted among the steps."""
+    return sum(len(r.output_ids) - 1 for r in c.plain) / sum(r.stats.steps for r in c.plain)
+
+
 def test_comparison_summary_is_consistent_with_the_runs():
     target = tiny_target(seed=2)
     drafter = DFlashDrafter(random_draft(target, block_size=8), target)
@@ -33,6 +38,10 @@ def test_comparison_summary_is_consistent_with_the_runs():
         tokens = sum(len(r.output_ids) - 1 for r in c.spec)
         assert s["tau_token_weighted"] == pytest.approx(tokens / steps)
         assert s["speedup"] == pytest.approx(s["spec_tok_s"] / s["plain_tok_s"])
+        # tokens/s = tau / step time, so the speedup decomposes into tau and the two step times
+        assert s["speedup"] == pytest.approx(
+            s["tau_token_weighted"] / s["spec_step_ms"] / (plain_tau(c) / s["plain_step_ms"]))
+        assert 0 < s["draft_ms_per_step"] < s["spec_step_ms"]
     assert comparisons[0].plain is comparisons[1].plain, "plain decoding runs once for all block sizes"
     sampled = compare(target, drafter, prompts[:1], [4], SamplingParams(temperature=1.0, max_new_tokens=8),
                       chat=False)[0]

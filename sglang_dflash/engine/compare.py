@@ -14,10 +14,15 @@ from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.generator import GenerationResult, Generator, SamplingParams
 
 
+def decode_seconds(results: list[GenerationResult]) -> float:
+    """Wall time after prefill, summed over the results."""
+    return sum(r.stats.wall_s - r.stats.prefill_s for r in results)
+
+
 def decode_rate(results: list[GenerationResult]) -> float:
     """Decode tokens per second: tokens after the prefill token over the time after prefill."""
     tokens = sum(len(r.output_ids) - 1 for r in results)
-    return tokens / max(sum(r.stats.wall_s - r.stats.prefill_s for r in results), 1e-9)
+    return tokens / max(decode_seconds(results), 1e-9)
 
 
 @dataclasses.dataclass
@@ -29,8 +34,10 @@ class Comparison:
 
     def summary(self) -> dict:
         """tau (token-weighted: committed tokens over verify steps; and the mean over prompts),
-        speedup of decode tokens/s, the accepted-drafts histogram, and for greedy decoding
-        whether every speculative output equals the plain one (None when sampled)."""
+        speedup of decode tokens/s, the mean time of a speculative step (and its drafting part)
+        and of a plain step (speedup = tau * plain step / spec step), the accepted-drafts
+        histogram, and for greedy decoding whether every speculative output equals the plain one
+        (None when sampled)."""
         tokens = sum(r.stats.tokens - 1 for r in self.spec)
         steps = sum(r.stats.steps for r in self.spec)
         spec_rate, plain_rate = decode_rate(self.spec), decode_rate(self.plain)
@@ -39,6 +46,9 @@ class Comparison:
             tau_token_weighted=tokens / max(steps, 1),
             tau_per_sample_mean=sum(r.stats.tau for r in self.spec) / max(len(self.spec), 1),
             speedup=spec_rate / plain_rate, spec_tok_s=spec_rate, plain_tok_s=plain_rate,
+            spec_step_ms=1e3 * decode_seconds(self.spec) / max(steps, 1),
+            draft_ms_per_step=1e3 * sum(r.stats.draft_s for r in self.spec) / max(steps, 1),
+            plain_step_ms=1e3 * decode_seconds(self.plain) / max(sum(r.stats.steps for r in self.plain), 1),
             accept_histogram=[sum(r.stats.accept_hist[k] for r in self.spec) for k in range(self.block_size)],
             greedy_identical=None if self.params.temperature > 0 else all(
                 a.output_ids == b.output_ids for a, b in zip(self.spec, self.plain, strict=True)))
