@@ -83,5 +83,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Each output row is bitwise independent of the other rows of x (batch invariant), so verifying
     B tokens computes exactly what decoding them one at a time computes. Returns [..., N].
     """
+    if x.device.type not in ("cpu", "meta"):  # no kernel is registered for other devices
+        raise ValueError(f"sglang_dflash.skinny_linear: is a CPU kernel; x is on {x.device} "
+                         "(use torch.nn.functional.linear there)")
     return _ops().skinny_linear(x, weight, bias)
 
