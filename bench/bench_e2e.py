@@ -12,6 +12,7 @@ bench/results/e2e_<target>.json and two PNGs (tau histogram, speedup per dataset
 
     python bench/bench_e2e.py [--draft DIR|NAME] [--target smollm2-135m] [--datasets gsm8k humaneval]
         [--samples 8] [--block-sizes 4 8 16] [--temperatures 0 1] [--max-new-tokens 128]
+        [--draft-dtype float32|bfloat16] [--out PATH]
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def main() -> None:
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype the draft model runs in (its drafts never change the output)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gsm8k", type=Path, default=DEFAULT_GSM8K)
@@ -119,7 +122,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     target = HFTarget.from_pretrained(args.target)
-    draft = load_draft(resolve_draft(args.draft))
+    draft = load_draft(resolve_draft(args.draft), dtype=getattr(torch, args.draft_dtype))
     drafter = DFlashDrafter(draft, target)
     block_sizes = [b for b in args.block_sizes if b <= draft.config.block_size]
     prompts = {d: load_prompts(d, args.samples, args.gsm8k) for d in args.datasets}
@@ -145,7 +148,8 @@ def main() -> None:
                             cwd=ROOT).stdout.strip()
     out.write_text(json.dumps(dict(device=f"CPU {platform.machine()}, {os.cpu_count()} cores",
                                    threads=torch.get_num_threads(), date=datetime.date.today().isoformat(),
-                                   commit=commit, target=args.target, draft=str(args.draft), cases=rows),
+                                   commit=commit, target=args.target, draft=str(args.draft),
+                                   draft_dtype=args.draft_dtype, max_new_tokens=args.max_new_tokens, cases=rows),
                               indent=2))
     for path in [out, *plot(rows, out.with_suffix(""))]:
         print(f"wrote {path}")
