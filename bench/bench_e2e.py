@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32",
+    parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="bfloat16",
                         help="dtype the draft model runs in (its drafts never change the output)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt as token ids, e.g. 1,2,3 (repeat for a batch)")
     g.add_argument("--no-chat-template", action="store_true", help="tokenize text prompts as they are")
     g.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
+    g.add_argument("--draft-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype the draft model runs in (default bfloat16; drafts never change the output)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -148,6 +150,9 @@ def add_train_parser(sub) -> None:
                    help="have the target answer the prompts itself first (or use `sglang-dflash regenerate`)")
     t.add_argument("--regen-temperature", type=float, default=0.0)
     t.add_argument("--feature-cache", help="directory to cache the target's features in")
+    t.add_argument("--draft-vocab", type=int, default=0, metavar="K",
+                   help="also write a draft vocabulary of the K most frequent trained-on tokens: drafts "
+                        "only take those ids, so the draft LM head reads K rows instead of the vocabulary")
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     t.add_argument("--threads", type=int, help="torch CPU threads")
 
@@ -167,7 +172,7 @@ def train(args: argparse.Namespace) -> int:
     history = train_drafter(args.target, args.data, cfg, max_len=args.max_len, limit=args.limit,
                             held_out=args.held_out, regenerate_answers=args.regenerate,
                             regen_temperature=args.regen_temperature, feature_cache=args.feature_cache,
-                            device=device)
+                            device=device, draft_vocab_size=args.draft_vocab)
     print(f"trained to step {cfg.steps}: {history[-1] if history else {}}; checkpoint in {args.out}")
     return 0
 
@@ -187,7 +192,8 @@ def generate(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = HFTarget.from_pretrained(args.target, device=device, cache_dir=args.cache_dir)
     if args.draft:
-        drafter = DFlashDrafter(load_draft(resolve_draft(args.draft), device=device), target)
+        drafter = DFlashDrafter(load_draft(resolve_draft(args.draft), dtype=getattr(torch, args.draft_dtype),
+                                           device=device), target)
         block_size = args.block_size or drafter.max_block_size
     else:
         drafter, block_size = NoDrafter(), args.block_size or 1

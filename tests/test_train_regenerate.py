@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from sglang_dflash.models import DFlashDraftModel
+from sglang_dflash.models import DFlashDraftModel, load_draft
 from sglang_dflash.train.code_prompts import STDLIB_FUNCTIONS, complete_function_prompt, stdlib_function_prompts
 from sglang_dflash.train.data import Example, iter_records, to_prompt
 from sglang_dflash.train.regenerate import (
@@ -140,5 +140,7 @@ def test_regenerate_command_writes_a_dataset_train_reads(tmp_path):
     base = ["train", "--target", "smollm2-135m", "--data", str(data), "--out", str(out), "--held-out", "1",
             "--num-anchors", "2", "--layers", "1", "--block-size", "4", "--steps", "2", "--threads", "2"]
     assert main(base) == 2, "a drafter tapping other layers than the dataset must be refused"
-    assert main(base + ["--target-layer-ids", "2,20"]) == 0
+    assert main(base + ["--target-layer-ids", "2,20", "--draft-vocab", "50"]) == 0
     assert (out / "model.safetensors").exists()
+    vocab = load_draft(out).draft_vocab
+    assert vocab.shape == (50,) and bool((vocab[1:] > vocab[:-1]).all())

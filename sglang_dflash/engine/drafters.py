@@ -16,9 +16,10 @@ from sglang_dflash.models import DFlashDraftModel
 
 
 class DFlashDrafter:
-    """`head_dtype`: the dtype of the drafter's copy of the target's LM head. Drafts only propose
-    (the target's verify decides every token), so rounding here cannot change the output; bf16
-    halves the bytes of the widest matmul of a draft step (SmolLM2: 49152 x 576)."""
+    """`head_dtype`: the dtype of the drafter's copy of the target's LM head, restricted to the
+    checkpoint's draft vocabulary when it has one (`model.draft_vocab`). Drafts only propose (the
+    target's verify decides every token), so neither can change the output; both shrink the widest
+    matmul of a draft step (SmolLM2: 49152 x 576 in fp32)."""
 
     def __init__(self, model: DFlashDraftModel, target: HFTarget, head_dtype: torch.dtype = torch.bfloat16):
         c = model.config
@@ -33,7 +34,9 @@ class DFlashDrafter:
             raise ValueError(f"draft num_target_layers {c.num_target_layers} != target's {target.num_layers} layers")
         use_skinny_linear(model)
         self.model, self.target = model, target
-        self.lm_head_weight = target.lm_head_weight.detach().to(head_dtype)
+        self.vocab = model.draft_vocab
+        head = target.lm_head_weight.detach()
+        self.lm_head_weight = (head if self.vocab is None else head[self.vocab]).to(head_dtype).contiguous()
         self.layer_ids = c.target_layer_ids
         self.max_block_size = c.block_size
         self._rows: dict[int, int] = {}
@@ -49,7 +52,8 @@ class DFlashDrafter:
         block[:, 0] = anchors
         hidden = self.model(self.target.embed(block).reshape(-1, self.target.hidden_size), rows, block_size)
         hidden = hidden.view(len(reqs), block_size, -1)[:, 1:]
-        return self.model.logits(hidden, self.lm_head_weight).argmax(-1)
+        drafts = self.model.logits(hidden, self.lm_head_weight).argmax(-1)
+        return drafts if self.vocab is None else self.vocab[drafts]
 
     def commit(self, reqs: list[int], counts: list[int], taps: torch.Tensor) -> None:
         kept = torch.cat([taps[b, :n] for b, n in enumerate(counts)])

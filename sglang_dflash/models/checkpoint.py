@@ -1,5 +1,10 @@
 """Load and save DFlash drafters in z-lab's format: `config.json` + `model.safetensors`
-(or shards listed in `model.safetensors.index.json`), tensor names as in DESIGN.md section 1."""
+(or shards listed in `model.safetensors.index.json`), tensor names as in DESIGN.md section 1.
+
+An optional `draft_vocab.safetensors` (tensor `token_ids`: the target token ids drafts may take,
+e.g. the most frequent ones in the training data) restricts the drafter's LM head to those rows,
+which makes a draft step cheaper on memory-bound hardware; other readers of the format ignore it.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from sglang_dflash.models.draft import DFlashDraftModel
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
 
 
 class CheckpointError(ValueError):
@@ -70,7 +76,41 @@ def load_draft(directory: str | Path, dtype: torch.dtype = torch.float32,
             raise CheckpointError(f"{name} has shape {list(tensors[name].shape)}, expected "
                                   f"{list(param.shape)}{hint}")
     model.load_state_dict(tensors)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.draft_vocab = _read_draft_vocab(directory, config.vocab_size, device)
+    return model
+
+
+def _read_draft_vocab(directory: Path, vocab_size: int, device) -> torch.Tensor | None:
+    path = directory / DRAFT_VOCAB_NAME
+    if not path.exists():
+        return None
+    try:
+        ids = load_file(path).get("token_ids")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {path}: corrupt or not a safetensors file ({e})") from None
+    check_draft_vocab(ids, vocab_size, str(path))
+    return ids.long().to(device)
+
+
+def check_draft_vocab(ids: torch.Tensor | None, vocab_size: int, where: str) -> None:
+    """A draft vocabulary is a non-empty 1-D integer tensor of distinct ids in [0, vocab_size)."""
+    if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
+        raise CheckpointError(f"{where}: token_ids must be a non-empty 1-D integer tensor, got "
+                              f"{None if ids is None else (ids.dtype, tuple(ids.shape))}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise CheckpointError(f"{where}: token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+    if ids.unique().numel() != ids.numel():
+        raise CheckpointError(f"{where}: token ids repeat")
+
+
+def save_draft_vocab(directory: str | Path, token_ids: torch.Tensor, vocab_size: int) -> Path:
+    """Write the draft vocabulary (sorted) beside a checkpoint; returns its path."""
+    path = Path(directory) / DRAFT_VOCAB_NAME
+    check_draft_vocab(token_ids, vocab_size, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"token_ids": token_ids.long().sort().values.contiguous()}, path, metadata={"format": "pt"})
+    return path
 
 
 def save_draft(model: DFlashDraftModel, directory: str | Path, dtype: torch.dtype | None = None) -> None:
@@ -80,3 +120,5 @@ def save_draft(model: DFlashDraftModel, directory: str | Path, dtype: torch.dtyp
     (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     state = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in model.state_dict().items()}
     save_file(state, directory / WEIGHTS_NAME, metadata={"format": "pt"})
+    if model.draft_vocab is not None:
+        save_draft_vocab(directory, model.draft_vocab.cpu(), model.config.vocab_size)

@@ -102,6 +102,7 @@ class DFlashDraftModel(nn.Module):
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.cache: ContextCache | None = None
+        self.draft_vocab: torch.Tensor | None = None  # token ids drafts may take (None: all); see checkpoint.py
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from sglang_dflash.engine import HFTarget
-from sglang_dflash.models import DFlashConfig, DFlashDraftModel, load_draft
+from sglang_dflash.models import DFlashConfig, DFlashDraftModel, load_draft, save_draft_vocab
 from sglang_dflash.train.data import Example, load_examples
 from sglang_dflash.train.regenerate import generate_examples, is_feature_dataset, read_feature_dataset, source_prompts
 from sglang_dflash.train.trainer import TrainConfig, Trainer, draft_config_for
@@ -17,11 +17,12 @@ from sglang_dflash.train.trainer import TrainConfig, Trainer, draft_config_for
 def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: int = 512,
                   limit: int | None = None, held_out: int = 16, regenerate_answers: bool = False,
                   regen_temperature: float = 0.0, feature_cache: str | None = None,
-                  device: str = "cpu") -> list[dict]:
+                  device: str = "cpu", draft_vocab_size: int = 0) -> list[dict]:
     """Train (or resume) the drafter in cfg.out for `target` (a model directory or a packaged
     model name such as "smollm2-135m") on `data`: jsonl files, source directories, or feature
     datasets written by `sglang-dflash regenerate`. With `regenerate_answers` the target first
-    answers the sources' prompts itself (max_len new tokens each)."""
+    answers the sources' prompts itself (max_len new tokens each). With `draft_vocab_size` > 0
+    the checkpoint also gets a draft vocabulary of that many ids (`frequent_tokens`)."""
     hf = HFTarget.from_pretrained(target, dtype=torch.float32, device=device)
     if hf.tokenizer is None:
         raise ValueError(f"target {target} has no tokenizer files; training needs one to read the data")
@@ -49,9 +50,25 @@ def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: in
             examples += load_examples(source, hf.tokenizer, max_len, limit)
     random.Random(cfg.seed).shuffle(examples)
     held, train = examples[:held_out], examples[held_out:]
+    if draft_vocab_size > 0:
+        vocab = draft.config.vocab_size
+        print(f"wrote {save_draft_vocab(out, frequent_tokens(train, draft_vocab_size, vocab), vocab)}")
     trainer = Trainer(hf.model, draft, train, held, cfg, feature_cache=feature_cache)
     trainer.resume()
     return trainer.run()
+
+
+def frequent_tokens(examples: list[Example], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` token ids drafts should be able to take: those the loss covers, most frequent
+    first, then (if fewer occur) the lowest remaining ids, which BPE vocabularies give to their
+    most common merges."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be in [1, {vocab_size}], got {size}")
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for e in examples:
+        counts += torch.bincount(e.input_ids[e.loss_mask.bool()].long(), minlength=vocab_size)
+    # Stable sort by descending count keeps ties (and all unseen ids) in ascending id order.
+    return torch.sort(-counts, stable=True).indices[:size]
 
 
 def _check_compatible(config: DFlashConfig, target_config) -> None:
