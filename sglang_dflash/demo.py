@@ -8,6 +8,10 @@ import textwrap
 
 from sglang_dflash.train.code_prompts import complete_function_prompt
 
+# The shipped drafter's fastest block size on a 2-core CPU: B 3-5 tie, B 8 verifies more tokens
+# than it gets accepted (bench/results/e2e_smollm2-135m_block_sweep.json).
+DEMO_BLOCK_SIZE = 4
+
 DEMO_PROMPTS = [
     "A baker makes 24 muffins in the morning and twice as many in the afternoon. She sells 50 of them. "
     "How many muffins does she have left?",
@@ -32,7 +36,7 @@ def run_demo(target_name: str, draft_name: str, block_size: int | None, max_new_
     target = HFTarget.from_pretrained(target_name, device=device)
     # bf16 draft: half the bytes per draft step; drafts never change the output.
     drafter = DFlashDrafter(load_draft(resolve_draft(draft_name), dtype=torch.bfloat16, device=device), target)
-    block_size = block_size or drafter.max_block_size
+    block_size = block_size or min(DEMO_BLOCK_SIZE, drafter.max_block_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     print(f"DFlash demo: target {target_name}, drafter {draft_name}, block size {block_size}, greedy, "
           f"{max_new_tokens} new tokens, batch size 1\n")

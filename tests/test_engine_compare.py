@@ -57,6 +57,20 @@ def test_shipped_drafter_loads_by_name():
     assert draft.config.hidden_size == 576 and draft.config.vocab_size == 49152
     weights_bytes = sum(p.numel() for p in draft.parameters()) * 2  # shipped in bf16: a few tens of MB
     assert weights_bytes <= (directory / "model.safetensors").stat().st_size <= weights_bytes + 2**16
+    assert draft.draft_vocab.shape == (16384,)
+
+
+def test_every_shipped_drafter_file_is_package_data():
+    """A file the wheel leaves out would make the installed drafter differ from the repository's."""
+    import fnmatch
+    import tomllib
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "sglang_dflash.drafters"]
+    root = SHIPPED_DRAFTERS[SHIPPED_DRAFTER].parent
+    for path in SHIPPED_DRAFTERS[SHIPPED_DRAFTER].iterdir():
+        name = str(path.relative_to(root))
+        assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in package-data"
 
 
 def test_demo_runs_the_shipped_drafter_and_matches_plain_decoding(capsys):
