@@ -209,8 +209,6 @@ LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weig
   check_dtype(op, "x", x, weight.scalar_type());
   SGLD_CHECK(weight.size(1) == 0 || weight.stride(1) == 1, op,
              "weight must have a contiguous last dimension (stride 1), got strides ", weight.strides());
-  SGLD_CHECK(x.device().is_cpu() || x.device().is_meta(), op,
-             "is a CPU kernel; x is on ", x.device(), " (use torch.nn.functional.linear there)");
   check_same_device(op, x, "weight", weight);
   if (bias.has_value()) {
     check_rank(op, "bias", *bias, 1, "[N]");

@@ -2,7 +2,7 @@
 //
 // With a handful of rows the product is bound by reading the weight once from memory, and BLAS
 // GEMMs waste that: they pack (copy) the weight, and for 2-16 rows MKL's fp32 path runs 2-4x
-// slower than one pass over the weight (bench/bench_ops.py --op skinny_linear). Here every
+// slower than one pass over the weight (bench/bench_ops.py). Here every
 // thread streams a contiguous band of weight rows exactly once; while a pair of rows sits in L1 it
 // is multiplied by all rows of x (fp32, converted once, small enough for L1/L2). Each thread also
 // prefetches its weight stream ~64 KiB ahead into L2: without that the FMAs of a pair and the

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from sglang_dflash.models.skinny import use_skinny_linear
 from sglang_dflash.engine.target import HFTarget
 from sglang_dflash.models import DFlashDraftModel
 
@@ -32,7 +31,6 @@ class DFlashDrafter:
                              f"for a target with {target.num_layers} layers")
         if c.num_target_layers is not None and c.num_target_layers != target.num_layers:
             raise ValueError(f"draft num_target_layers {c.num_target_layers} != target's {target.num_layers} layers")
-        use_skinny_linear(model)
         self.model, self.target = model, target
         self.vocab = model.draft_vocab
         head = target.lm_head_weight.detach()

@@ -161,9 +161,10 @@ class HFTarget:
         if rows is None and bool((drop == drop[0]).all()):
             # Every row rolls back the same tail (always so at batch size 1): cut it off, no copy.
             kept = width - int(drop[0])
-            for layer in self._cache.layers if kept < width else ():
-                layer.keys, layer.values = layer.keys[:, :, :kept], layer.values[:, :, :kept]
-            self._valid = self._valid[:, :kept]
+            if kept < width:
+                for layer in self._cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, :kept], layer.values[:, :, :kept]
+                self._valid = self._valid[:, :kept]
             return
         col = torch.arange(width, device=self._valid.device)[None]
         rejected = col >= width - self._block + keep.to(col.device)[:, None]

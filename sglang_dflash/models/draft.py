@@ -14,7 +14,7 @@ from torch import nn
 
 from sglang_dflash.models.config import DFlashConfig
 from sglang_dflash.models.context_cache import ContextCache
-from sglang_dflash.models.skinny import linear
+from sglang_dflash.models.skinny import SkinnyLinear, linear
 from sglang_dflash.ops import block_attention
 
 
@@ -43,10 +43,10 @@ class DFlashAttention(nn.Module):
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, d)
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = SkinnyLinear(h, self.num_heads * d, bias=bias)
+        self.k_proj = SkinnyLinear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = SkinnyLinear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = SkinnyLinear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
@@ -60,9 +60,9 @@ class DFlashMLP(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_proj = SkinnyLinear(h, i, bias=False)
+        self.up_proj = SkinnyLinear(h, i, bias=False)
+        self.down_proj = SkinnyLinear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -94,7 +94,7 @@ class DFlashDraftModel(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.fc = nn.Linear(config.num_taps * h, h, bias=False)
+        self.fc = SkinnyLinear(config.num_taps * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)

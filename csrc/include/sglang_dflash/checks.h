@@ -50,7 +50,8 @@ struct LinearShape {
   int64_t in;    // K = weight.size(1) = x.size(-1)
 };
 
-// skinny_linear: x [..., K] and weight [N, K] (and bias [N]) of one float dtype on the CPU.
+// skinny_linear: x [..., K] and weight [N, K] (and bias [N]) of one float dtype on one device
+// (only CPU and Meta kernels exist; the Python API refuses other devices by name).
 LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias);
 
