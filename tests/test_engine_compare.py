@@ -63,6 +63,7 @@ def test_shipped_drafter_loads_by_name():
 def test_every_shipped_drafter_file_is_package_data():
     """A file the wheel leaves out would make the installed drafter differ from the repository's."""
     import fnmatch
+
     import tomllib
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][

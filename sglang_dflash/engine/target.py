@@ -17,8 +17,8 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from sglang_dflash.engine import grouped_attention
-from sglang_dflash.models.skinny import use_skinny_linear
 from sglang_dflash.engine.packaged import PACKAGED_MODELS, packaged_model_dir
+from sglang_dflash.models.skinny import use_skinny_linear
 
 # transformers 5.24 renamed the forward's `past_key_values=` to `cache=` (old name deprecated).
 _CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"

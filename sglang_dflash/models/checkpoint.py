@@ -98,8 +98,9 @@ def check_draft_vocab(ids: torch.Tensor | None, vocab_size: int, where: str) -> 
     if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
         raise CheckpointError(f"{where}: token_ids must be a non-empty 1-D integer tensor, got "
                               f"{None if ids is None else (ids.dtype, tuple(ids.shape))}")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise CheckpointError(f"{where}: token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise CheckpointError(f"{where}: token ids must lie in [0, {vocab_size}), got [{low}, {high}]")
     if ids.unique().numel() != ids.numel():
         raise CheckpointError(f"{where}: token ids repeat")
 
