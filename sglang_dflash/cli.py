@@ -86,13 +86,16 @@ def add_regenerate_parser(sub) -> None:
                                           "drafter's context features (a feature dataset for train --data)")
     r.add_argument("--target", required=True, help=PACKAGED_HELP)
     r.add_argument("--data", action="append", required=True,
-                   help="jsonl/json prompts or conversations (answers are replaced), or python-stdlib-functions; "
+                   help="jsonl/json prompts or conversations (answers are replaced), python-stdlib-functions or "
+                        "python-installed-functions (code prompts from this Python's stdlib / packages); "
                         "repeat for several")
     r.add_argument("--out", required=True, help="feature dataset directory to write")
     r.add_argument("--target-layer-ids", type=_int_list("--target-layer-ids"), required=True,
                    help="tapped target layers, e.g. 1,8,14,20,27 (the drafter's target_layer_ids)")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--limit", type=int, help="records read from each source")
+    r.add_argument("--skip", type=int, default=0, help="records of each source skipped before reading (to continue "
+                                                         "where an earlier regeneration's --limit stopped)")
     r.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--batch-size", type=int, default=64)
@@ -111,7 +114,7 @@ def regenerate(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = HFTarget.from_pretrained(args.target, device=device)
     count = regenerate_dataset(target, args.data, args.out, tuple(args.target_layer_ids), args.max_new_tokens,
-                               args.limit, args.temperature, args.seed, args.batch_size)
+                               args.limit, args.temperature, args.seed, args.batch_size, args.skip)
     print(f"wrote {count} regenerated examples to {args.out}")
     return 0
 

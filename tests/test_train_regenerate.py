@@ -1,13 +1,22 @@
 """Regenerated training data: the target's own batched answers and the features captured with
 them, the on-disk feature dataset, prompts of each source, and training straight from it."""
 
+import itertools
 import json
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
+from sglang_dflash.engine.packaged import packaged_model_dir
 from sglang_dflash.models import DFlashDraftModel, load_draft
-from sglang_dflash.train.code_prompts import STDLIB_FUNCTIONS, complete_function_prompt, stdlib_function_prompts
+from sglang_dflash.train.code_prompts import (
+    INSTALLED_FUNCTIONS,
+    STDLIB_FUNCTIONS,
+    complete_function_prompt,
+    installed_function_prompts,
+    stdlib_function_prompts,
+)
 from sglang_dflash.train.data import Example, iter_records, to_prompt
 from sglang_dflash.train.regenerate import (
     generate_batch,
@@ -19,6 +28,7 @@ from sglang_dflash.train.trainer import TrainConfig, Trainer, draft_config_for
 from tests.dflash_testlib import hf_greedy, tiny_target
 
 TAPS = (0, 2, 3)
+QUOTES = ('"', "'")  # docstrings open with either
 
 
 def prompts_of(lengths, seed=0):
@@ -115,14 +125,18 @@ def test_prompts_of_each_record_kind():
         to_prompt({"messages": [{"role": "assistant", "content": "a"}]})
 
 
-def test_stdlib_function_prompts_are_humaneval_style_stubs():
-    prompts = stdlib_function_prompts()
-    assert len(prompts) > 500
-    assert prompts[:3] == [r["prompt"] for r in list(iter_records(STDLIB_FUNCTIONS))[:3]]
-    for prompt in prompts[:50]:
+@pytest.mark.parametrize("source, build", [(STDLIB_FUNCTIONS, stdlib_function_prompts),
+                                           (INSTALLED_FUNCTIONS, installed_function_prompts)])
+def test_function_prompts_are_humaneval_style_stubs(source, build):
+    prompts = list(itertools.islice(build(), 600))  # the stdlib alone, or torch + transformers, hold thousands
+    assert len(prompts) == 600 and len(set(prompts)) > 0.95 * len(prompts)
+    assert prompts == [r["prompt"] for r in itertools.islice(iter_records(source), 600)]
+    for prompt in prompts:
         code = prompt.removeprefix(complete_function_prompt("")[:-3]).removesuffix("```")
-        assert code.startswith("def ") and '"""' in code or "'''" in code, prompt
-        compile(code + "    pass\n", "<stub>", "exec")  # a stub is valid Python once given a body
+        assert code.startswith("def ") and any(q in code for q in QUOTES), prompt
+        doc_line = next(line for line in code.splitlines() if line.lstrip().lstrip("rRuU").startswith(QUOTES))
+        indent = doc_line[:len(doc_line) - len(doc_line.lstrip())]
+        compile(code + indent + "pass\n", "<stub>", "exec")  # a stub is valid Python once given a body
 
 
 def test_regenerate_command_writes_a_dataset_train_reads(tmp_path):
@@ -132,10 +146,15 @@ def test_regenerate_command_writes_a_dataset_train_reads(tmp_path):
     from tests.test_train_data import GSM8K
 
     data = tmp_path / "regen"
-    assert main(["regenerate", "--target", "smollm2-135m", "--data", str(GSM8K), "--limit", "3", "--out", str(data),
-                 "--target-layer-ids", "2,20", "--max-new-tokens", "12", "--batch-size", "2", "--threads", "2"]) == 0
+    assert main(["regenerate", "--target", "smollm2-135m", "--data", str(GSM8K), "--skip", "4", "--limit", "3",
+                 "--out", str(data), "--target-layer-ids", "2,20", "--max-new-tokens", "12", "--batch-size", "2",
+                 "--threads", "2"]) == 0
     meta = json.loads((data / "meta.json").read_text())
-    assert meta["examples"] == 3 and meta["layer_ids"] == [2, 20]
+    assert meta["examples"] == 3 and meta["layer_ids"] == [2, 20] and meta["skip"] == 4
+    tokenizer = AutoTokenizer.from_pretrained(packaged_model_dir("smollm2-135m"))
+    texts = [tokenizer.decode(e.input_ids) for e in read_feature_dataset(data)]
+    questions = [r["question"] for r in iter_records(GSM8K)]
+    assert sorted(q for q in questions[:8] if any(q in t for t in texts)) == sorted(questions[4:7])
     out = tmp_path / "draft"
     base = ["train", "--target", "smollm2-135m", "--data", str(data), "--out", str(out), "--held-out", "1",
             "--num-anchors", "2", "--layers", "1", "--block-size", "4", "--steps", "2", "--threads", "2"]

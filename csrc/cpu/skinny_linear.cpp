@@ -29,6 +29,19 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kW = Vec::size();
 constexpr int64_t kRowTile = 4;  // x rows per register tile: 4 x 2 accumulators + 2 weight vectors
 
+// The inner loop on raw registers where the ISA has them: with Vectorized<float> (its loadu keeps
+// a stack buffer for partial loads) GCC stores all 8 accumulators to the stack on every k
+// iteration at 4 rows; with __m256 values they stay in registers.
+#if defined(CPU_CAPABILITY_AVX2)
+using Reg = __m256;
+inline Reg load_x(const float* p) { return _mm256_loadu_ps(p); }
+inline Reg fmadd(Reg x, Reg w, Reg acc) { return _mm256_fmadd_ps(x, w, acc); }
+#else
+using Reg = Vec;
+inline Reg load_x(const float* p) { return Vec::loadu(p); }
+inline Reg fmadd(const Reg& x, const Reg& w, const Reg& acc) { return at::vec::fmadd(x, w, acc); }
+#endif
+
 template <typename T>
 inline Vec load_weight(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
@@ -50,19 +63,19 @@ inline float lane_sum(const Vec& v) {
 template <int R, typename T>
 void dot_tile(const float* xf, int64_t K, const T* w0, const T* w1, float (&sums)[kRowTile][2]) {
   const int64_t k_vec = K - K % kW;
-  Vec acc[R][2];
+  Reg acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
   for (int64_t k = 0; k < k_vec; k += kW) {
-    const Vec a = load_weight(w0 + k), b = load_weight(w1 + k);
+    const Reg a = load_weight(w0 + k), b = load_weight(w1 + k);
     for (int r = 0; r < R; ++r) {
-      const Vec xv = Vec::loadu(xf + r * K + k);
-      acc[r][0] = at::vec::fmadd(xv, a, acc[r][0]);
-      acc[r][1] = at::vec::fmadd(xv, b, acc[r][1]);
+      const Reg xv = load_x(xf + r * K + k);
+      acc[r][0] = fmadd(xv, a, acc[r][0]);
+      acc[r][1] = fmadd(xv, b, acc[r][1]);
     }
   }
   for (int r = 0; r < R; ++r) {
     const float* xr = xf + r * K;
-    float s0 = lane_sum(acc[r][0]), s1 = lane_sum(acc[r][1]);
+    float s0 = lane_sum(Vec(acc[r][0])), s1 = lane_sum(Vec(acc[r][1]));
     for (int64_t k = k_vec; k < K; ++k) {
       s0 += xr[k] * static_cast<float>(w0[k]);
       s1 += xr[k] * static_cast<float>(w1[k]);

@@ -1,5 +1,5 @@
-"""HumanEval-style code prompts from the running Python's standard library, for regenerating
-code answers with the target (no dataset download needed).
+"""HumanEval-style code prompts from the running Python's standard library and its installed
+packages, for regenerating code answers with the target (no dataset download needed).
 
 Each prompt is a documented top-level function's signature and docstring, body removed, in the
 same wording the end-to-end benchmark uses for HumanEval, so the drafter learns how the target
@@ -11,9 +11,11 @@ from __future__ import annotations
 import ast
 import sysconfig
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 STDLIB_FUNCTIONS = "python-stdlib-functions"
+INSTALLED_FUNCTIONS = "python-installed-functions"
 
 
 def complete_function_prompt(code: str) -> str:
@@ -32,26 +34,43 @@ def function_stub(source_lines: list[str], node: ast.FunctionDef) -> str | None:
     return textwrap.dedent("".join(source_lines[node.lineno - 1: doc.end_lineno])) + "\n"
 
 
-def stdlib_function_prompts(limit: int | None = None) -> list[str]:
-    """Prompts for the documented, undecorated, public top-level functions of the stdlib
-    (tests, idlelib and site-packages excluded), in a fixed order."""
+def module_function_stubs(path: Path) -> list[str]:
+    """Stubs of a module's documented, undecorated, public top-level functions, in file order."""
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    lines = source.splitlines(keepends=True)
+    stubs = (function_stub(lines, node) for node in tree.body
+             if isinstance(node, ast.FunctionDef) and not node.decorator_list and not node.name.startswith("_"))
+    return [stub for stub in stubs if stub]
+
+
+def stdlib_function_prompts() -> Iterator[str]:
+    """Prompts for the documented public top-level functions of the stdlib (tests, idlelib and
+    site-packages excluded), in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    prompts = []
     for path in sorted(root.rglob("*.py")):
-        parts = set(path.relative_to(root).parts)
-        if parts & {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3"}:
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = source.splitlines(keepends=True)
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and not node.decorator_list and not node.name.startswith("_"):
-                stub = function_stub(lines, node)
-                if stub:
-                    prompts.append(complete_function_prompt(stub))
-                    if limit is not None and len(prompts) >= limit:
-                        return prompts
-    return prompts
+        if not set(path.relative_to(root).parts) & {"test", "tests", "idlelib", "site-packages", "dist-packages",
+                                                      "lib2to3"}:
+            yield from map(complete_function_prompt, module_function_stubs(path))
+
+
+def installed_function_prompts() -> Iterator[str]:
+    """Prompts for the documented public top-level functions of the installed third-party
+    packages (tests excluded), one from each package in turn, so that the first N mix all of
+    them (torch alone holds thousands); files are parsed only as far as the reader goes."""
+    root = Path(sysconfig.get_paths()["purelib"])
+    streams = []
+    for entry in sorted(root.iterdir()):
+        files = sorted(entry.rglob("*.py")) if entry.is_dir() else [entry] if entry.suffix == ".py" else []
+        files = [f for f in files if not set(f.relative_to(root).parts) & {"test", "tests", "testing"}]
+        streams.append(stub for f in files for stub in module_function_stubs(f))
+    while streams:
+        for stream in list(streams):
+            stub = next(stream, None)
+            if stub is None:
+                streams.remove(stream)
+            else:
+                yield complete_function_prompt(stub)

@@ -9,8 +9,8 @@ turns; plain text (and source code) is trained on every token. Known record sche
   {"instruction", "output"} (+ optional "input")     Alpaca
   {"text"}                                           plain text
   {"prompt"} alone                                   a prompt to regenerate an answer for
-A source may also be `python-stdlib-functions`: HumanEval-style prompts built from this Python's
-standard library (train/code_prompts.py).
+A source may also be `python-stdlib-functions` or `python-installed-functions`: HumanEval-style
+prompts built from this Python's standard library or its installed packages (train/code_prompts.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sglang_dflash.train.code_prompts import STDLIB_FUNCTIONS, stdlib_function_prompts
+from sglang_dflash.train.code_prompts import (INSTALLED_FUNCTIONS, STDLIB_FUNCTIONS, installed_function_prompts,
+                                              stdlib_function_prompts)
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
@@ -39,8 +40,9 @@ class Example:
 
 def iter_records(path: str | Path) -> Iterator[dict]:
     """Records of a .jsonl / .json file, or {"text": source} for each .py file under a directory."""
-    if str(path) == STDLIB_FUNCTIONS:
-        yield from ({"prompt": p} for p in stdlib_function_prompts())
+    named_sources = {STDLIB_FUNCTIONS: stdlib_function_prompts, INSTALLED_FUNCTIONS: installed_function_prompts}
+    if str(path) in named_sources:
+        yield from ({"prompt": p} for p in named_sources[str(path)]())  # lazily: --limit parses only what it reads
         return
     path = Path(path)
     if not path.exists():

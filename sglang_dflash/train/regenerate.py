@@ -145,24 +145,26 @@ def read_feature_dataset(path: str | Path, layer_ids: tuple[int, ...] | None = N
 
 def regenerate_dataset(target: HFTarget, sources: list[str], out: str | Path, layer_ids: tuple[int, ...],
                        max_new_tokens: int = 256, limit: int | None = None, temperature: float = 0.0,
-                       seed: int = 0, batch_size: int = 64) -> int:
-    """Prompts of every source (their first `limit` records each) answered by `target` into the
-    feature dataset `out`; returns the number of examples."""
-    prompts = [p for source in sources for p in source_prompts(target, source, limit)]
+                       seed: int = 0, batch_size: int = 64, skip: int = 0) -> int:
+    """Prompts of every source (`limit` records each, after its first `skip`) answered by `target`
+    into the feature dataset `out`; returns the number of examples."""
+    prompts = [p for source in sources for p in source_prompts(target, source, limit, skip)]
     examples = generate_examples(target, prompts, layer_ids, max_new_tokens, temperature, seed, batch_size)
     meta = {"target": str(getattr(target.model.config, "_name_or_path", "")), "layer_ids": list(layer_ids),
-            "sources": [str(s) for s in sources], "max_new_tokens": max_new_tokens, "temperature": temperature,
-            "seed": seed}
+            "sources": [str(s) for s in sources], "skip": skip, "limit": limit, "max_new_tokens": max_new_tokens,
+            "temperature": temperature, "seed": seed}
     return write_feature_dataset(out, examples, meta)
 
 
-def source_prompts(target: HFTarget, source: str | Path, limit: int | None = None) -> list[list[int]]:
-    """Token ids of the prompts of a data source's first `limit` records (answers dropped)."""
+def source_prompts(target: HFTarget, source: str | Path, limit: int | None = None, skip: int = 0) -> list[list[int]]:
+    """Token ids of the prompts of a data source's `limit` records after its first `skip`
+    (answers dropped): `skip` continues a dataset where an earlier regeneration stopped."""
     if target.tokenizer is None:
         raise ValueError("the target has no tokenizer; regeneration needs its chat template")
-    prompts = [prompt_ids(target.tokenizer, to_prompt(r)) for r in itertools.islice(iter_records(source), limit)]
+    records = itertools.islice(iter_records(source), skip, None if limit is None else skip + limit)
+    prompts = [prompt_ids(target.tokenizer, to_prompt(r)) for r in records]
     if not prompts:
-        raise ValueError(f"no prompts in {source}")
+        raise ValueError(f"no prompts in {source}" + (f" after its first {skip} records" if skip else ""))
     return prompts
 
 
