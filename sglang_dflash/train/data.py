@@ -24,8 +24,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sglang_dflash.train.code_prompts import (INSTALLED_FUNCTIONS, STDLIB_FUNCTIONS, installed_function_prompts,
-                                              stdlib_function_prompts)
+from sglang_dflash.train.code_prompts import (
+    INSTALLED_FUNCTIONS,
+    STDLIB_FUNCTIONS,
+    installed_function_prompts,
+    stdlib_function_prompts,
+)
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
