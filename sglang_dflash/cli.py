@@ -149,6 +149,8 @@ def add_train_parser(sub) -> None:
     t.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
     t.add_argument("--limit", type=int, help="records read from each data source")
     t.add_argument("--held-out", type=int, default=16, help="examples kept for the tau estimate")
+    t.add_argument("--held-out-data", action="append",
+                   help="data for the tau estimate instead of --held-out examples of --data (repeat for several)")
     t.add_argument("--regenerate", action="store_true",
                    help="have the target answer the prompts itself first (or use `sglang-dflash regenerate`)")
     t.add_argument("--regen-temperature", type=float, default=0.0)
@@ -175,7 +177,7 @@ def train(args: argparse.Namespace) -> int:
     history = train_drafter(args.target, args.data, cfg, max_len=args.max_len, limit=args.limit,
                             held_out=args.held_out, regenerate_answers=args.regenerate,
                             regen_temperature=args.regen_temperature, feature_cache=args.feature_cache,
-                            device=device, draft_vocab_size=args.draft_vocab)
+                            device=device, draft_vocab_size=args.draft_vocab, held_out_data=args.held_out_data)
     print(f"trained to step {cfg.steps}: {history[-1] if history else {}}; checkpoint in {args.out}")
     return 0
 

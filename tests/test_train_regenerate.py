@@ -139,11 +139,21 @@ def test_function_prompts_are_humaneval_style_stubs(source, build):
         compile(code + indent + "pass\n", "<stub>", "exec")  # a stub is valid Python once given a body
 
 
-def test_regenerate_command_writes_a_dataset_train_reads(tmp_path):
+def test_regenerate_command_writes_a_dataset_train_reads(tmp_path, monkeypatch):
     """`sglang-dflash regenerate` on the real SmolLM2 target and GSM8K prompts, then `train` on
-    the written feature dataset."""
+    the written feature dataset (held-out examples from --held-out or --held-out-data)."""
+    import sglang_dflash.train.run as run
     from sglang_dflash.cli import main
     from tests.test_train_data import GSM8K
+
+    sizes = []
+
+    class SizeRecordingTrainer(Trainer):
+        def __init__(self, target, draft, train, held, *args, **kwargs):
+            sizes.append((len(train), len(held)))
+            super().__init__(target, draft, train, held, *args, **kwargs)
+
+    monkeypatch.setattr(run, "Trainer", SizeRecordingTrainer)
 
     data = tmp_path / "regen"
     assert main(["regenerate", "--target", "smollm2-135m", "--data", str(GSM8K), "--skip", "4", "--limit", "3",
@@ -161,5 +171,7 @@ def test_regenerate_command_writes_a_dataset_train_reads(tmp_path):
     assert main(base) == 2, "a drafter tapping other layers than the dataset must be refused"
     assert main(base + ["--target-layer-ids", "2,20", "--draft-vocab", "50"]) == 0
     assert (out / "model.safetensors").exists()
+    assert main(base + ["--target-layer-ids", "2,20", "--steps", "3", "--held-out-data", str(data)]) == 0
+    assert sizes == [(2, 1), (3, 3)]  # --held-out 1 of the 3 examples; then all 3 train, and all 3 are held out
     vocab = load_draft(out).draft_vocab
     assert vocab.shape == (50,) and bool((vocab[1:] > vocab[:-1]).all())

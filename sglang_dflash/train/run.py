@@ -17,12 +17,15 @@ from sglang_dflash.train.trainer import TrainConfig, Trainer, draft_config_for
 def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: int = 512,
                   limit: int | None = None, held_out: int = 16, regenerate_answers: bool = False,
                   regen_temperature: float = 0.0, feature_cache: str | None = None,
-                  device: str = "cpu", draft_vocab_size: int = 0) -> list[dict]:
+                  device: str = "cpu", draft_vocab_size: int = 0,
+                  held_out_data: list[str] | None = None) -> list[dict]:
     """Train (or resume) the drafter in cfg.out for `target` (a model directory or a packaged
     model name such as "smollm2-135m") on `data`: jsonl files, source directories, or feature
     datasets written by `sglang-dflash regenerate`. With `regenerate_answers` the target first
     answers the sources' prompts itself (max_len new tokens each). With `draft_vocab_size` > 0
-    the checkpoint also gets a draft vocabulary of that many ids (`frequent_tokens`)."""
+    the checkpoint also gets a draft vocabulary of that many ids (`frequent_tokens`). The tau
+    estimate runs on `held_out` shuffled examples of `data`, or on all of `held_out_data` (read
+    the same way) when given: a fixed set that stays unseen when more training data is added."""
     hf = HFTarget.from_pretrained(target, dtype=torch.float32, device=device)
     if hf.tokenizer is None:
         raise ValueError(f"target {target} has no tokenizer files; training needs one to read the data")
@@ -39,17 +42,25 @@ def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: in
             draft.norm.weight.copy_(hf.final_norm.weight)
     _check_compatible(draft.config, hf.model.config)
     layer_ids = tuple(draft.config.target_layer_ids)
-    examples: list[Example] = []
-    for source in data:
-        if is_feature_dataset(source):
-            examples += read_feature_dataset(source, layer_ids)[:limit]
-        elif regenerate_answers:
-            prompts = source_prompts(hf, source, limit)
-            examples += generate_examples(hf, prompts, layer_ids, max_len, regen_temperature, cfg.seed)
-        else:
-            examples += load_examples(source, hf.tokenizer, max_len, limit)
+
+    def read(sources: list[str]) -> list[Example]:
+        examples: list[Example] = []
+        for source in sources:
+            if is_feature_dataset(source):
+                examples += read_feature_dataset(source, layer_ids)[:limit]
+            elif regenerate_answers:
+                prompts = source_prompts(hf, source, limit)
+                examples += generate_examples(hf, prompts, layer_ids, max_len, regen_temperature, cfg.seed)
+            else:
+                examples += load_examples(source, hf.tokenizer, max_len, limit)
+        return examples
+
+    examples = read(data)
     random.Random(cfg.seed).shuffle(examples)
-    held, train = examples[:held_out], examples[held_out:]
+    if held_out_data:
+        held, train = read(held_out_data), examples
+    else:
+        held, train = examples[:held_out], examples[held_out:]
     if draft_vocab_size > 0:
         vocab = draft.config.vocab_size
         print(f"wrote {save_draft_vocab(out, frequent_tokens(train, draft_vocab_size, vocab), vocab)}")
