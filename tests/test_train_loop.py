@@ -89,3 +89,27 @@ def test_exported_checkpoint_reloads_with_the_same_outputs(setup, tmp_path):
         a = training_hidden(trainer.draft.eval(), features, embeds, packed.positions, anchors, BLOCK)
         b = training_hidden(loaded, features, embeds, packed.positions, anchors, BLOCK)
     torch.testing.assert_close(a, b)
+
+
+def test_training_plot_draws_each_held_out_set(tmp_path, monkeypatch):
+    """A history resumed on another held-out set (evaluations tagged "held_out_set", one of them
+    an evaluation-only entry) plots without mixing the two sets into one line."""
+    import matplotlib.pyplot as plt
+
+    from sglang_dflash.train.trainer import plot_history
+
+    history = [{"step": s, "loss": 5.0 / s} for s in range(1, 7)]
+    history[2].update(tau=1.5, held_out_loss=4.0, held_out_set="first")
+    history.append({"step": 6, "tau": 1.4, "held_out_loss": 4.2, "held_out_set": "second"})
+    history[5].update(tau=1.6, held_out_loss=3.9, held_out_set="second")
+    lines = []
+    real_savefig = plt.Figure.savefig
+
+    def recording_savefig(fig, *args, **kwargs):
+        lines.extend(line.get_label() for line in fig.axes[1].get_lines())
+        real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", recording_savefig)
+    plot_history(history, tmp_path / "training.png")
+    assert lines == ["held-out first", "held-out second"]
+    assert (tmp_path / "training.png").stat().st_size > 1000

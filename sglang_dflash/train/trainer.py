@@ -264,20 +264,26 @@ class Trainer:
 
 
 def plot_history(history: list[dict], path: Path) -> None:
-    """Training loss and held-out tau against steps, one PNG."""
+    """Training loss and held-out tau against steps, one PNG. Evaluations tagged with different
+    "held_out_set" names (runs resumed on another held-out set) get a line each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8, label="train")
+    trained = [h for h in history if "loss" in h]
+    ax_loss.plot([h["step"] for h in trained], [h["loss"] for h in trained], lw=0.8, label="train")
     evals = [h for h in history if "tau" in h]
-    ax_loss.plot([h["step"] for h in evals], [h["held_out_loss"] for h in evals], "o-", label="held-out")
+    for name in dict.fromkeys(h.get("held_out_set", "") for h in evals):
+        points = [h for h in evals if h.get("held_out_set", "") == name]
+        label = f"held-out {name}".strip()
+        ax_loss.plot([h["step"] for h in points], [h["held_out_loss"] for h in points], "o-", label=label)
+        ax_tau.plot([h["step"] for h in points], [h["tau"] for h in points], "o-", label=label)
     ax_loss.set(xlabel="step", ylabel="weighted CE", title="loss", yscale="log")  # the first steps are ~10x the rest
     ax_loss.legend()
-    ax_tau.plot([h["step"] for h in evals], [h["tau"] for h in evals], "o-")
     ax_tau.set(xlabel="step", ylabel="tokens per verify step", title="held-out tau (teacher-forced)")
+    ax_tau.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
