@@ -275,11 +275,11 @@ def plot_history(history: list[dict], path: Path) -> None:
     trained = [h for h in history if "loss" in h]
     ax_loss.plot([h["step"] for h in trained], [h["loss"] for h in trained], lw=0.8, label="train")
     evals = [h for h in history if "tau" in h]
-    for name in dict.fromkeys(h.get("held_out_set", "") for h in evals):
+    for i, name in enumerate(dict.fromkeys(h.get("held_out_set", "") for h in evals)):
         points = [h for h in evals if h.get("held_out_set", "") == name]
-        label = f"held-out {name}".strip()
-        ax_loss.plot([h["step"] for h in points], [h["held_out_loss"] for h in points], "o-", label=label)
-        ax_tau.plot([h["step"] for h in points], [h["tau"] for h in points], "o-", label=label)
+        style = dict(marker="o", color=f"C{i + 1}", label=f"held-out {name}".strip())  # C0: the train loss
+        ax_loss.plot([h["step"] for h in points], [h["held_out_loss"] for h in points], **style)
+        ax_tau.plot([h["step"] for h in points], [h["tau"] for h in points], **style)
     ax_loss.set(xlabel="step", ylabel="weighted CE", title="loss", yscale="log")  # the first steps are ~10x the rest
     ax_loss.legend()
     ax_tau.set(xlabel="step", ylabel="tokens per verify step", title="held-out tau (teacher-forced)")
