@@ -283,7 +283,8 @@ def plot_history(history: list[dict], path: Path) -> None:
     ax_loss.set(xlabel="step", ylabel="weighted CE", title="loss", yscale="log")  # the first steps are ~10x the rest
     ax_loss.legend()
     ax_tau.set(xlabel="step", ylabel="tokens per verify step", title="held-out tau (teacher-forced)")
-    ax_tau.legend()
+    if evals:
+        ax_tau.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
