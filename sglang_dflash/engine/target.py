@@ -4,7 +4,8 @@ It keeps one batched KV cache for the active requests. Requests have different l
 row of the cache is right-aligned and a 2-D attention mask marks its valid columns; after every
 verify the rejected columns are dropped and the rows re-aligned (`commit`). Tapped hidden states
 (HF `hidden_states[id + 1]`, the output of layer `id`) are captured with forward hooks, so only
-the tapped layers' outputs are kept.
+the tapped layers' outputs are kept. The cache appends in place (`kv_cache.GrowingCache`), so a
+rollback is a shorter view and a step copies only its new tokens.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 import torch
 import transformers
 from packaging.version import Version
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sglang_dflash.engine import grouped_attention
+from sglang_dflash.engine.kv_cache import GrowingCache
 from sglang_dflash.engine.packaged import PACKAGED_MODELS, packaged_model_dir
 from sglang_dflash.models.skinny import use_skinny_linear
 
@@ -42,7 +44,7 @@ class HFTarget:
         self.tap_layer_ids: tuple[int, ...] = ()
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []
-        self._cache: DynamicCache | None = None
+        self._cache: GrowingCache | None = None
         self._valid: torch.Tensor | None = None  # bool [bs, T]: which cache columns are real tokens
         self._block = 0  # width of the last verified block
 
@@ -117,7 +119,7 @@ class HFTarget:
         for length, members in groups.items():
             ids = torch.tensor([prompts[i] for i in members], device=self.device)
             positions = torch.arange(length, device=self.device).expand(len(members), -1)
-            cache = DynamicCache()
+            cache = GrowingCache()
             out = self._forward(ids, positions, None, cache, logits_to_keep=1)
             t = self.take_taps()
             for j, i in enumerate(members):
@@ -127,9 +129,9 @@ class HFTarget:
         self._merge(rows, [len(p) for p in prompts])
         return torch.stack(last_logits), taps
 
-    def _merge(self, rows: list[tuple[DynamicCache, int]], lengths: list[int]) -> None:
+    def _merge(self, rows: list[tuple[GrowingCache, int]], lengths: list[int]) -> None:
         width = max(lengths)
-        merged = DynamicCache()
+        merged = GrowingCache()
         for layer in range(self.num_layers):
             ks, vs = [], []
             for (cache, j), n in zip(rows, lengths, strict=True):
@@ -185,7 +187,7 @@ class HFTarget:
         r, c = valid.nonzero(as_tuple=True)
         src = torch.zeros(valid.shape[0], width, dtype=torch.int64, device=valid.device)
         src[r, dest[r, c]] = c
-        compacted = DynamicCache()
+        compacted = GrowingCache()
         for i, layer in enumerate(self._cache.layers):
             k, v = layer.keys, layer.values
             if rows is not None:

@@ -1,0 +1,71 @@
+"""A Hugging Face KV cache that appends in place instead of concatenating.
+
+HF's DynamicCache grows every layer with `torch.cat` on each forward, i.e. it copies the whole
+cache once per decode or verify step (SmolLM2-135M at a 300-token context: 1.7 ms of a 33 ms
+decode step and 4.4 ms of a 42 ms B=4 verify, where the rollback of the last step left
+non-contiguous views to copy). Here every layer keeps a buffer with spare capacity; an update
+writes the new tokens after the current ones and exposes the first `length` columns as a view,
+which is what attention reads. Rolling back (`layer.keys = layer.keys[:, :, :kept]`, as the
+target adapter does) just shortens that view; the next update writes over the rejected columns.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_SPARE_COLUMNS = 64  # spare capacity per growth: at least this many tokens, or a quarter more
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values are views [bs, heads, length, dim] of a larger buffer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def _is_prefix_of_buffer(self) -> bool:
+        """Whether keys/values are still the leading columns of our buffers (anything else, e.g. a
+        batch gather or a tensor assigned from outside, is copied into a fresh buffer)."""
+        buf = self._key_buffer
+        return (buf is not None and self.keys.data_ptr() == buf.data_ptr() and self.keys.stride() == buf.stride()
+                and self.values.data_ptr() == self._value_buffer.data_ptr()
+                and self.keys.shape[:2] == buf.shape[:2] and self.keys.shape[3] == buf.shape[3])
+
+    def _regrow(self, needed: int, like: torch.Tensor) -> None:
+        capacity = needed + max(MIN_SPARE_COLUMNS, needed // 4)
+        length = self.keys.shape[-2] if self.keys.numel() else 0
+        bs, heads, _, dim = like.shape
+        buffers = []
+        for old in (self.keys, self.values):
+            buf = like.new_empty(bs, heads, capacity, dim)
+            if length:
+                buf[:, :, :length] = old
+            buffers.append(buf)
+        self._key_buffer, self._value_buffer = buffers
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.keys.shape[-2] if self.keys.numel() else 0
+        end = length + key_states.shape[-2]
+        if length and self.keys.shape[0] != key_states.shape[0]:
+            raise ValueError(f"KV cache update for batch {key_states.shape[0]} on a cache of batch {self.keys.shape[0]}")
+        if not (length and self._is_prefix_of_buffer() and end <= self._key_buffer.shape[2]):
+            self._regrow(end, key_states)
+        self._key_buffer[:, :, length:end] = key_states
+        self._value_buffer[:, :, length:end] = value_states
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+class GrowingCache(DynamicCache):
+    """DynamicCache whose lazily created layers are GrowingLayers."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer_class_to_replicate = GrowingLayer
