@@ -221,4 +221,41 @@ LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weig
   return {rows, weight.size(0), weight.size(1)};
 }
 
+GumbelArgmaxShape check_gumbel_argmax_args(const at::Tensor& scores, const std::optional<at::Tensor>& ids,
+                                           const at::Tensor& offsets, const at::Tensor& rows) {
+  const char* op = "gumbel_argmax";
+  check_rank(op, "scores", scores, 2, "[R, n]");
+  SGLD_CHECK(is_float_type(scores.scalar_type()), op,
+             "scores must be float32, bfloat16 or float16, got ", scores.scalar_type());
+  SGLD_CHECK(scores.size(1) >= 1, op, "scores must have at least one column, got shape ", shape_of(scores));
+  check_rows_of_vectors(op, "scores", scores);
+  if (ids.has_value()) {
+    check_rank(op, "ids", *ids, 1, "[n]");
+    check_dtype(op, "ids", *ids, at::kLong);
+    check_size(op, "ids", *ids, 0, scores.size(1), "n = scores.shape[1]");
+    check_same_device(op, scores, "ids", *ids);
+  }
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"offsets", &offsets}, {"rows", &rows}}) {
+    check_rank(op, name, *t, 1, "[R]");
+    check_dtype(op, name, *t, at::kLong);
+    check_size(op, name, *t, 0, scores.size(0), "R = scores.shape[0]");
+    check_same_device(op, scores, name, *t);
+  }
+  return {scores.size(0), scores.size(1)};
+}
+
+void check_gumbel_argmax_values(const std::optional<at::Tensor>& ids, const at::Tensor& rows) {
+  const char* op = "gumbel_argmax";
+  if (ids.has_value() && ids->numel() > 0) {
+    const int64_t lo = ids->min().item<int64_t>(), hi = ids->max().item<int64_t>();
+    SGLD_CHECK(lo >= 0 && hi < (int64_t{1} << 34), op, "ids hold values in [", lo, ", ", hi,
+               "], outside the token ids [0, 2^34) the noise is defined for");
+  }
+  if (rows.numel() > 0) {
+    const int64_t lo = rows.min().item<int64_t>(), hi = rows.max().item<int64_t>();
+    SGLD_CHECK(lo >= 0 && hi < (int64_t{1} << 32), op, "rows hold values in [", lo, ", ", hi,
+               "], outside the verify rows [0, 2^32)");
+  }
+}
+
 }  // namespace sglang_dflash

@@ -48,6 +48,12 @@ at::Tensor skinny_linear_meta(const at::Tensor& x, const at::Tensor& weight,
   return at::empty(sizes, x.options());
 }
 
+at::Tensor gumbel_argmax_meta(const at::Tensor& scores, const std::optional<at::Tensor>& ids, int64_t /*seed*/,
+                              const at::Tensor& offsets, const at::Tensor& rows) {
+  const auto shape = check_gumbel_argmax_args(scores, ids, offsets, rows);
+  return at::empty({shape.rows}, scores.options().dtype(at::kLong));
+}
+
 }  // namespace
 }  // namespace sglang_dflash
 
@@ -56,4 +62,5 @@ TORCH_LIBRARY_IMPL(sglang_dflash, Meta, m) {
   m.impl("verify_block", &sglang_dflash::verify_block_meta);
   m.impl("verify_block_from_ids", &sglang_dflash::verify_block_from_ids_meta);
   m.impl("skinny_linear", &sglang_dflash::skinny_linear_meta);
+  m.impl("gumbel_argmax", &sglang_dflash::gumbel_argmax_meta);
 }

@@ -19,6 +19,7 @@ TORCH_LIBRARY(sglang_dflash, m) {
       "verify_block_from_ids(Tensor candidates, Tensor target_ids) -> (Tensor accept_len, "
       "Tensor bonus, Tensor out_tokens)");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("gumbel_argmax(Tensor scores, Tensor? ids, int seed, Tensor offsets, Tensor rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
@@ -26,6 +27,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
   m.impl("verify_block", &sglang_dflash::cpu::verify_block);
   m.impl("verify_block_from_ids", &sglang_dflash::cpu::verify_block_from_ids);
   m.impl("skinny_linear", &sglang_dflash::cpu::skinny_linear);
+  m.impl("gumbel_argmax", &sglang_dflash::cpu::gumbel_argmax);
 }
 
 // Importing sglang_dflash._C runs the registrations above; the module itself has no members.

@@ -1,5 +1,6 @@
 """Sampled DFlash generation is lossless: the joint law of the first emitted tokens matches the
-target's own sampling distribution (computed exactly here), by a deterministic chi-square test."""
+target's own sampling distribution (computed exactly here), by a deterministic chi-square test;
+also when the drafts are picked with the verify step's own noise (`DraftSampling`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from sglang_dflash.engine import DFlashDrafter, Generator, OracleDrafter, SamplingParams
+from sglang_dflash.engine import DFlashDrafter, DraftSampling, Generator, OracleDrafter, SamplingParams
+from sglang_dflash.ops import gumbel_argmax
 from tests.dflash_testlib import hf_greedy, random_draft, tiny_target
 
 VOCAB, PROMPT, N_TOKENS, N_SAMPLES = 12, [3, 9, 4], 3, 4000
@@ -60,6 +62,52 @@ def chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...
     return chisquare(observed, expected).pvalue
 
 
+class TargetNoiseDrafter:
+    """Drafts with the target itself and the coming verify's noise: draft k is gumbel_argmax of the
+    target's logits after the anchor and drafts 1..k-1, in verify row k - 1. Each draft is then the
+    target's own sample (up to float rounding between a full forward and the cached verify), so
+    all are accepted when the generator passes the right noise keys, and the output must still
+    follow the target's law although every draft depends on the noise that samples it."""
+
+    layer_ids: tuple[int, ...] = ()
+    max_block_size = None
+
+    def __init__(self, target, prompts: list[list[int]]):
+        self.target = target
+        self.seqs = {r: list(p) for r, p in enumerate(prompts)}  # tokens the target has committed
+        self.drafts: dict[int, list[int]] = {}
+        self._logits: dict[tuple[int, ...], torch.Tensor] = {}  # requests share most prefixes
+
+    def _last_logits(self, seq: list[int]) -> torch.Tensor:
+        if tuple(seq) not in self._logits:
+            self._logits[tuple(seq)] = self.target.model(torch.tensor([seq])).logits[0, -1:]
+        return self._logits[tuple(seq)]
+
+    def start(self, taps, capacities) -> None:
+        pass
+
+    @torch.no_grad()
+    def propose(self, reqs, anchors, starts, block_size, sampling: DraftSampling | None = None):
+        out = torch.zeros(len(reqs), block_size - 1, dtype=torch.int64)
+        for b, r in enumerate(reqs):
+            seq = self.seqs[r][:int(starts[b])] + [int(anchors[b])]
+            self.seqs[r], drafts = seq, []
+            for k in range(1, block_size):
+                logits = self._last_logits(seq + drafts)
+                drafts.append(int(gumbel_argmax(logits / sampling.temperature, None, sampling.seed,
+                                                sampling.offsets[b:b + 1], torch.tensor([k - 1]))))
+            self.drafts[r] = drafts
+            out[b] = torch.tensor(drafts)
+        return out
+
+    def commit(self, reqs, counts, taps) -> None:
+        for r, n in zip(reqs, counts, strict=True):
+            self.seqs[r] = self.seqs[r] + self.drafts[r][:n - 1]
+
+    def finish(self, req: int) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_target("qwen3", vocab=VOCAB, seed=5, scale=0.4)
@@ -71,18 +119,23 @@ def target():
                                stop_token_ids=())),
     ("dflash", 4, SamplingParams(temperature=1.3, top_k=0, top_p=0.9, seed=13, max_new_tokens=N_TOKENS,
                                  stop_token_ids=())),
+    ("target-noise", 3, SamplingParams(temperature=1.0, seed=14, max_new_tokens=N_TOKENS, stop_token_ids=())),
 ])
 def test_sampled_first_tokens_follow_the_target(target, drafter_kind, block_size, params):
     if drafter_kind == "copy":  # proposes the target's greedy continuation: often accepted
         greedy = hf_greedy(target, PROMPT, N_TOKENS + block_size, None)
         drafter = OracleDrafter([PROMPT + greedy] * N_SAMPLES, VOCAB)
-    else:
+    elif drafter_kind == "dflash":
         drafter = DFlashDrafter(random_draft(target, block_size=4), target)
+    else:
+        drafter = TargetNoiseDrafter(target, [PROMPT] * N_SAMPLES)
     results = Generator(target, drafter, block_size).generate([PROMPT] * N_SAMPLES, params)
     samples = [tuple(r.output_ids) for r in results]
     accepted = sum(sum(n * c for n, c in enumerate(r.stats.accept_hist)) for r in results)
     if drafter_kind == "copy":
         assert accepted > N_SAMPLES // 2  # the speculative accept path carried many tokens
+    if drafter_kind == "target-noise":  # one step per request after the first token, 2 drafts each
+        assert accepted >= 0.98 * 2 * N_SAMPLES
     pvalue = chi_square_pvalue(samples, exact_joint(target, params))
     assert pvalue > 1e-3, pvalue
 

@@ -32,7 +32,7 @@ def _assert_close(out, x, w, b):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (1, 64, 576), (3, 33, 8), (4, 96, 100), (5, 7, 1536),
-                                      (8, 257, 576), (16, 130, 19), (37, 20, 64)])
+                                      (8, 257, 576), (16, 130, 19), (37, 20, 64), (2, 9, 40)])
 def test_matches_reference(dtype, rows, n, k):
     for seed, bias in ((rows * 131 + n, True), (k, False)):
         x, w, b = _inputs(rows, n, k, dtype, seed, bias)

@@ -19,6 +19,6 @@ def test_ops_are_registered_with_torch_library():
     from sglang_dflash._extension import ops
 
     ops()
-    for name in ("block_attention", "verify_block", "verify_block_from_ids"):
+    for name in ("block_attention", "verify_block", "verify_block_from_ids", "gumbel_argmax", "skinny_linear"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"sglang_dflash::{name}", "CPU")
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"sglang_dflash::{name}", "Meta")

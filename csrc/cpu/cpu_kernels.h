@@ -25,4 +25,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_from_ids(const at::T
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias);
 
+// Per row r: the column j maximizing scores[r, j] + the Gumbel noise verify_block draws for token
+// ids[j] (j when ids is None) in verify row rows[r] under (seed, offsets[r]); lowest j on ties.
+at::Tensor gumbel_argmax(const at::Tensor& scores, const std::optional<at::Tensor>& ids, int64_t seed,
+                         const at::Tensor& offsets, const at::Tensor& rows);
+
 }  // namespace sglang_dflash::cpu

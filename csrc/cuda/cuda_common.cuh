@@ -30,6 +30,40 @@ __device__ __forceinline__ int64_t read_index(const void* ptr, bool is64, int64_
               : static_cast<int64_t>(static_cast<const int32_t*>(ptr)[i]);
 }
 
+// Argmax reductions: the larger value wins, the lower index on equal values; NaN never enters
+// (callers skip it).
+struct Best {
+  float value;
+  int index;  // INT_MAX: none yet
+};
+
+__device__ __forceinline__ void consider(Best& b, float value, int index) {
+  if (value > b.value || (value == b.value && index < b.index)) {
+    b.value = value;
+    b.index = index;
+  }
+}
+
+// Block-wide best with a fixed combination order (lanes by shuffle, then warps 0..kWarps-1), so it
+// is deterministic for a fixed block size; `slots` is kWarps entries of shared memory. Every
+// thread gets the result.
+template <int kWarps>
+__device__ Best block_best(Best b, Best* slots) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, b.value, off);
+    const int i = __shfl_xor_sync(0xffffffffu, b.index, off);
+    consider(b, v, i);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) slots[warp] = b;
+  __syncthreads();
+  Best r = slots[0];
+  for (int w = 1; w < kWarps; ++w) consider(r, slots[w].value, slots[w].index);
+  __syncthreads();
+  return r;
+}
+
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Raises a kernel's dynamic shared-memory limit to `bytes` on the current device, once per

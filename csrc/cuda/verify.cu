@@ -67,19 +67,6 @@ struct VerifyParams {
 // ---------------------------------------------------------------------------------------------
 // Block reductions with a fixed combination order (deterministic for a fixed block size).
 
-struct Best {
-  float value;
-  int index;  // INT_MAX: none yet
-};
-
-// Larger value wins, the lower index on equal values; NaN never enters (callers skip it).
-__device__ __forceinline__ void consider(Best& b, float value, int index) {
-  if (value > b.value || (value == b.value && index < b.index)) {
-    b.value = value;
-    b.index = index;
-  }
-}
-
 struct Scratch {
   Best best[kWarps];
   float f[kWarps];
@@ -87,22 +74,6 @@ struct Scratch {
   int scan[kWarps];
   int value;
 };
-
-__device__ Best block_best(Best b, Scratch& s) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float v = __shfl_xor_sync(0xffffffffu, b.value, off);
-    const int i = __shfl_xor_sync(0xffffffffu, b.index, off);
-    consider(b, v, i);
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) s.best[warp] = b;
-  __syncthreads();
-  Best r = s.best[0];
-  for (int w = 1; w < kWarps; ++w) consider(r, s.best[w].value, s.best[w].index);
-  __syncthreads();
-  return r;
-}
 
 // Block-wide sum in a fixed order (lanes by shuffle, then warps 0..kWarps-1), so results are
 // bit-identical run to run; `slots` is kWarps entries of shared memory.
@@ -294,7 +265,7 @@ __device__ Best gumbel_global(const GlobalRow<T>& row, float floor, Best seed_be
       if (v < row.vocab && x[j] >= floor) consider(best, __fadd_rn(x[j], noise[j]), static_cast<int>(v));
     }
   }
-  return block_best(best, s);
+  return block_best<kWarps>(best, s.best);
 }
 
 // Gumbel-max over the shared-memory candidates with x >= floor.
@@ -308,7 +279,7 @@ __device__ Best gumbel_smem(const SmemSet& set, float floor, Best seed_best, con
       consider(best, __fadd_rn(x, pick4(noise, v % 4)), v);
     }
   });
-  return block_best(best, s);
+  return block_best<kWarps>(best, s.best);
 }
 
 template <typename T>
@@ -329,7 +300,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
     Best best{-INFINITY, INT_MAX};
     const GlobalRow<T> src{raw, p.vocab, 1.0f};
     src.for_each([&](float x, int v) { consider(best, x, v); });
-    best = block_best(best, s);
+    best = block_best<kWarps>(best, s.best);
     if (threadIdx.x == 0) p.target[row] = best.index == INT_MAX ? 0 : best.index;
     return;
   }
@@ -359,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
       }
     }
   });
-  top = block_best(top, s);  // its barriers also publish the histogram
+  top = block_best<kWarps>(top, s.best);  // its barriers also publish the histogram
   if (top.index == INT_MAX) top.index = 0;  // NaN-only row: any id (the CPU twin's is undefined too)
   const float max = top.value;
   float noise[4];

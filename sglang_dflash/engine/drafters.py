@@ -8,10 +8,23 @@ tapped states of the rows the target kept, and `finish`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from sglang_dflash.engine.target import HFTarget
 from sglang_dflash.models import DFlashDraftModel
+from sglang_dflash.ops import gumbel_argmax
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSampling:
+    """How the coming verify step samples (temperature > 0): its temperature, and the seed and
+    per-request offsets [bs] that key its noise, so drafts can be picked with that same noise."""
+
+    temperature: float
+    seed: int
+    offsets: torch.Tensor
 
 
 class DFlashDrafter:
@@ -44,13 +57,26 @@ class DFlashDrafter:
         self._rows = {i: cache.add_request() for i in range(len(taps))}
         self.model.append_context(list(self._rows.values()), [t.shape[0] for t in taps], torch.cat(taps))
 
-    def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int) -> torch.Tensor:
+    def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int,
+                sampling: DraftSampling | None = None) -> torch.Tensor:
         rows = torch.tensor([self._rows[r] for r in reqs], device=anchors.device)
         block = torch.full((len(reqs), block_size), self.model.config.mask_token_id, device=anchors.device)
         block[:, 0] = anchors
         hidden = self.model(self.target.embed(block).reshape(-1, self.target.hidden_size), rows, block_size)
         hidden = hidden.view(len(reqs), block_size, -1)[:, 1:]
-        drafts = self.model.logits(hidden, self.lm_head_weight).argmax(-1)
+        logits = self.model.logits(hidden, self.lm_head_weight)
+        if sampling is None or sampling.temperature <= 0:
+            drafts = logits.argmax(-1)
+        else:
+            # Draft k is checked against the target's sample in verify row k - 1: pick it with that
+            # row's noise, so it is the target's own pick wherever the two distributions agree
+            # (an argmax draft only matches with the target's probability of that token). Top-k /
+            # top-p are not mirrored: they only change which drafts are proposed, never the output.
+            bs, k = logits.shape[:2]
+            scores = logits.reshape(bs * k, -1).float() / sampling.temperature
+            verify_rows = torch.arange(k, device=logits.device).repeat(bs)
+            drafts = gumbel_argmax(scores, self.vocab, sampling.seed, sampling.offsets.repeat_interleave(k),
+                                   verify_rows).view(bs, k)
         return drafts if self.vocab is None else self.vocab[drafts]
 
     def commit(self, reqs: list[int], counts: list[int], taps: torch.Tensor) -> None:
@@ -90,7 +116,8 @@ class OracleDrafter(NoDrafter):
         self.corrupt = corrupt
         self._gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int) -> torch.Tensor:
+    def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int,
+                sampling: DraftSampling | None = None) -> torch.Tensor:
         drafts = torch.zeros(len(reqs), block_size - 1, dtype=torch.int64)
         for b, (r, p) in enumerate(zip(reqs, starts.tolist(), strict=True)):
             ref = self.references[r][p + 1:p + block_size]

@@ -3,7 +3,9 @@
 Each step: the drafter proposes B-1 tokens after every request's anchor (its last committed
 token); the target verifies the B-token block; `verify_block` samples the target's token for every
 row (argmax at temperature 0, else the Gumbel-max sample) and accepts the longest matching draft
-prefix plus one bonus token. Requests finish independently (stop token or max_new_tokens).
+prefix plus one bonus token. At temperature > 0 the drafter gets the noise keys of the coming
+verify (`DraftSampling`), so it can draft with the noise the target will sample with. Requests
+finish independently (stop token or max_new_tokens).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 
 import torch
 
+from sglang_dflash.engine.drafters import DraftSampling
 from sglang_dflash.engine.target import HFTarget
 from sglang_dflash.ops import verify_block
 
@@ -115,9 +118,11 @@ class Generator:
         # Sampling noise is keyed by (seed, offset, row): offset = request index << 32 | rows used.
         counters = [0] * n
 
-        def sample(candidates, logits, reqs):
+        def next_offsets(reqs):
+            return torch.tensor([(r << 32) | counters[r] for r in reqs], dtype=torch.int64, device=dev)
+
+        def sample(candidates, logits, reqs, offsets):
             bs = len(reqs)
-            offsets = torch.tensor([(r << 32) | counters[r] for r in reqs], dtype=torch.int64, device=dev)
             for r in reqs:
                 counters[r] += candidates.shape[1]
             return verify_block(
@@ -130,7 +135,7 @@ class Generator:
         t_start = time.perf_counter()
         last_logits, taps = target.prefill(prompts)
         last = torch.tensor([p[-1] for p in prompts], device=dev)[:, None]
-        _, first, _ = sample(last, last_logits, list(range(n)))
+        _, first, _ = sample(last, last_logits, list(range(n)), next_offsets(range(n)))
         drafter.start(taps, [len(p) + params.max_new_tokens + B for p in prompts])
         active = []
         for r, tok in enumerate(first.tolist()):
@@ -148,14 +153,16 @@ class Generator:
         while active:
             anchors = torch.tensor([results[r].output_ids[-1] for r in active], device=dev)
             start_t = torch.tensor([starts[r] for r in active], device=dev)
+            offsets = next_offsets(active)
             t0 = time.perf_counter()
             candidates = anchors[:, None]
             if B > 1:
-                candidates = torch.cat([candidates, drafter.propose(active, anchors, start_t, B)], dim=1)
+                sampling = DraftSampling(params.temperature, params.seed, offsets) if params.temperature > 0 else None
+                candidates = torch.cat([candidates, drafter.propose(active, anchors, start_t, B, sampling)], dim=1)
             t1 = time.perf_counter()
             positions = start_t[:, None] + torch.arange(B, device=dev)
             logits, step_taps = target.verify(candidates, positions)
-            accept_len, _, out_tokens = sample(candidates, logits, active)
+            accept_len, _, out_tokens = sample(candidates, logits, active, offsets)
             accept_len, out_tokens = accept_len.tolist(), out_tokens.tolist()
 
             still, keep_rows = [], []

@@ -54,7 +54,8 @@ class GrowingLayer(DynamicLayer):
         length = self.keys.shape[-2] if self.keys.numel() else 0
         end = length + key_states.shape[-2]
         if length and self.keys.shape[0] != key_states.shape[0]:
-            raise ValueError(f"KV cache update for batch {key_states.shape[0]} on a cache of batch {self.keys.shape[0]}")
+            raise ValueError(f"KV cache update for batch {key_states.shape[0]} "
+                             f"on a cache of batch {self.keys.shape[0]}")
         if not (length and self._is_prefix_of_buffer() and end <= self._key_buffer.shape[2]):
             self._regrow(end, key_states)
         self._key_buffer[:, :, length:end] = key_states

@@ -10,7 +10,7 @@ import torch
 
 from sglang_dflash._extension import ops as _ops
 
-__all__ = ["block_attention", "skinny_linear", "verify_block", "verify_block_from_ids"]
+__all__ = ["block_attention", "gumbel_argmax", "skinny_linear", "verify_block", "verify_block_from_ids"]
 
 
 def block_attention(
@@ -73,6 +73,21 @@ def verify_block_from_ids(
     target_ids int [bs, B] or [bs * B]: the target's token after each candidate.
     """
     return _ops().verify_block_from_ids(candidates, target_ids)
+
+
+def gumbel_argmax(scores: torch.Tensor, ids: torch.Tensor | None, seed: int, offsets: torch.Tensor,
+                  rows: torch.Tensor) -> torch.Tensor:
+    """Per row r, argmax_j of scores[r, j] + the Gumbel noise `verify_block` draws for token id
+    ids[j] (j when ids is None) in verify row rows[r] of the request with sampling offset
+    offsets[r] (and `seed`); the lowest j on ties, NaN never chosen.
+
+    scores float [R, n] (e.g. draft logits / temperature), ids int64 [n] in [0, 2^34), offsets and
+    rows int64 [R] (rows in [0, 2^32)). Returns int64 [R] column indices. A drafter that picks
+    draft k this way with row k - 1 proposes the token the target's sampler will pick whenever the
+    two distributions agree on it under the shared noise: at temperature > 0 that matches far more
+    often than the draft's argmax, and the target's sample (hence the output) does not change.
+    """
+    return _ops().gumbel_argmax(scores, ids, int(seed), offsets, rows)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

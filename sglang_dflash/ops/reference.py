@@ -173,6 +173,18 @@ def verify_block(
     return verify_block_from_ids(candidates, y)
 
 
+def gumbel_argmax(scores: torch.Tensor, ids: torch.Tensor | None, seed: int, offsets: torch.Tensor,
+                  rows: torch.Tensor) -> torch.Tensor:
+    """Per row r, the column j maximizing scores[r, j] + gumbel_noise(seed, offsets[r], rows[r])
+    at token id ids[j] (j when ids is None); the lowest j on ties. int64 [R]."""
+    out = torch.empty(scores.shape[0], dtype=torch.int64, device=scores.device)
+    id_of = torch.arange(scores.shape[1], device=scores.device) if ids is None else ids
+    for r in range(scores.shape[0]):
+        noise = gumbel_noise(seed, int(offsets[r]), int(rows[r]), int(id_of.max()) + 1, scores.device)[id_of]
+        out[r] = torch.argmax(scores[r].float() + noise)
+    return out
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, computed in float64 and rounded once to x's dtype (the kernel
     accumulates in fp32, so it agrees to fp32 rounding of a K-term sum)."""

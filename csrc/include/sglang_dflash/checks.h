@@ -44,6 +44,17 @@ VerifyShape check_verify_ids_args(const at::Tensor& candidates, const at::Tensor
 // Value ranges of verify: candidates in [0, V) (when V > 0). CPU tensors only.
 void check_verify_values(const at::Tensor& candidates, int64_t vocab);
 
+struct GumbelArgmaxShape {
+  int64_t rows, cols;
+};
+
+// scores [R, n] float, ids [n] int64 (optional), offsets [R] int64, rows [R] int64.
+GumbelArgmaxShape check_gumbel_argmax_args(const at::Tensor& scores, const std::optional<at::Tensor>& ids,
+                                           const at::Tensor& offsets, const at::Tensor& rows);
+
+// Reads the index tensors (host memory): ids within [0, 2^34), rows within [0, 2^32).
+void check_gumbel_argmax_values(const std::optional<at::Tensor>& ids, const at::Tensor& rows);
+
 struct LinearShape {
   int64_t rows;  // M: x's leading dimensions flattened
   int64_t out;   // N = weight.size(0)
