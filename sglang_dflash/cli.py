@@ -99,6 +99,9 @@ def add_regenerate_parser(sub) -> None:
     r.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--batch-size", type=int, default=64)
+    r.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="padded tokens per batch, rows x (longest prompt + max new tokens); fewer rows for long "
+                        "prompts (default 49152)")
     r.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     r.add_argument("--threads", type=int, help="torch CPU threads")
 
@@ -107,14 +110,15 @@ def regenerate(args: argparse.Namespace) -> int:
     import torch
 
     from sglang_dflash.engine import HFTarget
-    from sglang_dflash.train.regenerate import regenerate_dataset
+    from sglang_dflash.train.regenerate import MAX_BATCH_TOKENS, regenerate_dataset
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = HFTarget.from_pretrained(args.target, device=device)
     count = regenerate_dataset(target, args.data, args.out, tuple(args.target_layer_ids), args.max_new_tokens,
-                               args.limit, args.temperature, args.seed, args.batch_size, args.skip)
+                               args.limit, args.temperature, args.seed, args.batch_size, args.skip,
+                               args.max_batch_tokens or MAX_BATCH_TOKENS)
     print(f"wrote {count} regenerated examples to {args.out}")
     return 0
 

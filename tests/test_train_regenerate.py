@@ -22,6 +22,7 @@ from sglang_dflash.train.data import Example, iter_records, to_prompt
 from sglang_dflash.train.regenerate import (
     generate_batch,
     generate_examples,
+    plan_batches,
     read_feature_dataset,
     write_feature_dataset,
 )
@@ -78,6 +79,21 @@ def test_sampled_answers_follow_the_seed():
     assert answers(1) == answers(1)
     assert answers(1) != answers(2)
     assert target.tap_layer_ids == (), "generation must restore the target's taps"
+
+
+def test_batches_respect_rows_and_the_token_budget():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 3000, (300,), generator=g).tolist()
+    batches = plan_batches(lengths, batch_size=32, max_new_tokens=100, max_batch_tokens=20000)
+    assert sorted(i for b in batches for i in b) == list(range(300))  # every prompt exactly once
+    flat = [lengths[i] for b in batches for i in b]
+    assert flat == sorted(flat)  # similar lengths together: shortest first
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        assert len(b) <= 32
+        assert len(b) == 1 or len(b) * (longest + 100) <= 20000
+    assert max(len(b) for b in batches) == 32  # short prompts still fill whole batches
+    assert plan_batches([50000, 10], 8, 10, 1000) == [[1], [0]]  # over budget alone: a batch of its own
 
 
 def test_feature_dataset_round_trip_and_layer_check(tmp_path):

@@ -87,18 +87,39 @@ def generate_batch(target: HFTarget, prompts: list[list[int]], max_new_tokens: i
     return examples
 
 
+MAX_BATCH_TOKENS = 49152  # padded sequence tokens per batch; GSM8K-sized prompts still fill 128 rows
+
+
+def plan_batches(lengths: list[int], batch_size: int, max_new_tokens: int,
+                 max_batch_tokens: int = MAX_BATCH_TOKENS) -> list[list[int]]:
+    """Prompt indices grouped into batches of similar length (shortest first, so little padding),
+    each of at most `batch_size` rows and `max_batch_tokens` padded tokens (rows x (longest prompt
+    + max_new_tokens)); a prompt over the budget alone still gets a batch of its own. Without the
+    token budget, a batch of long prompts (package docstrings of thousands of tokens) needs tens of
+    GiB for the prefill's attention."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        # Sorted ascending, so the newest prompt is the batch's longest.
+        if batches and len(batches[-1]) < batch_size and \
+                (len(batches[-1]) + 1) * (lengths[i] + max_new_tokens) <= max_batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 def generate_examples(target: HFTarget, prompts: list[list[int]], layer_ids: tuple[int, ...], max_new_tokens: int,
-                      temperature: float = 0.0, seed: int = 0, batch_size: int = 64) -> Iterator[Example]:
-    """All prompts answered by the target, in batches of similar prompt length (less padding);
+                      temperature: float = 0.0, seed: int = 0, batch_size: int = 64,
+                      max_batch_tokens: int = MAX_BATCH_TOKENS) -> Iterator[Example]:
+    """All prompts answered by the target, in batches of similar prompt length (`plan_batches`);
     yields the examples in batch order with their tapped-layer features."""
     previous_taps = target.tap_layer_ids
     target.set_taps(layer_ids)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     generator = torch.Generator(device=target.device).manual_seed(seed)
     try:
         with tqdm(total=len(prompts), desc="regenerate", unit="answer") as bar:
-            for start in range(0, len(order), batch_size):
-                batch = [prompts[i] for i in order[start:start + batch_size]]
+            for rows in plan_batches([len(p) for p in prompts], batch_size, max_new_tokens, max_batch_tokens):
+                batch = [prompts[i] for i in rows]
                 yield from generate_batch(target, batch, max_new_tokens, target.eos_token_ids, temperature, generator)
                 bar.update(len(batch))
     finally:
@@ -145,11 +166,13 @@ def read_feature_dataset(path: str | Path, layer_ids: tuple[int, ...] | None = N
 
 def regenerate_dataset(target: HFTarget, sources: list[str], out: str | Path, layer_ids: tuple[int, ...],
                        max_new_tokens: int = 256, limit: int | None = None, temperature: float = 0.0,
-                       seed: int = 0, batch_size: int = 64, skip: int = 0) -> int:
+                       seed: int = 0, batch_size: int = 64, skip: int = 0,
+                       max_batch_tokens: int = MAX_BATCH_TOKENS) -> int:
     """Prompts of every source (`limit` records each, after its first `skip`) answered by `target`
     into the feature dataset `out`; returns the number of examples."""
     prompts = [p for source in sources for p in source_prompts(target, source, limit, skip)]
-    examples = generate_examples(target, prompts, layer_ids, max_new_tokens, temperature, seed, batch_size)
+    examples = generate_examples(target, prompts, layer_ids, max_new_tokens, temperature, seed, batch_size,
+                                 max_batch_tokens)
     meta = {"target": str(getattr(target.model.config, "_name_or_path", "")), "layer_ids": list(layer_ids),
             "sources": [str(s) for s in sources], "skip": skip, "limit": limit, "max_new_tokens": max_new_tokens,
             "temperature": temperature, "seed": seed}
