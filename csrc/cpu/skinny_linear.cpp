@@ -7,9 +7,10 @@
 // is multiplied by all rows of x (fp32, converted once, small enough for L1/L2). Each thread also
 // prefetches its weight stream two pairs ahead into L2, one cache line per line consumed, from
 // inside the FMA loop: the hardware prefetchers alone leave the FMAs of a pair and the arrival of
-// the next bytes serialized, and a burst of prefetches per pair stalls the loads behind it once the
-// miss buffers fill (standalone A/B on SmolLM2's shapes, 2 threads, 4 rows: 6.9 -> 5.0 ms per 60
-// MLP-sized matrices; 1 row unchanged or better; 1 row with no prefetching at all: 1.6x slower).
+// the next bytes serialized, and a burst of prefetches per pair did not fix that (likely: the burst
+// stalls the loads behind it once the miss buffers fill). Standalone A/B on SmolLM2's shapes, 2
+// threads, 4 rows: 6.9 -> 5.0 ms per 60 MLP-sized matrices; 1 row unchanged or better; 1 row with
+// no prefetching at all: 1.6x slower.
 //
 // Each output element is one fixed sequence of fp32 FMAs over k plus a fixed lane reduction, so it
 // depends only on its own x row and weight row: the result for a row is bitwise the same whatever
