@@ -54,6 +54,12 @@ void check_rows_of_vectors(const char* op, const char* name, const at::Tensor& t
              t.strides());
 }
 
+// (min, max) of an index tensor's values in one pass; the tensor must be non-empty.
+std::pair<int64_t, int64_t> value_range(const at::Tensor& t) {
+  const auto [lo, hi] = at::aminmax(t);
+  return {lo.item<int64_t>(), hi.item<int64_t>()};
+}
+
 // candidates [bs, B] int64 with B >= 1 (the anchor column); returns (bs, B).
 std::pair<int64_t, int64_t> check_candidates(const char* op, const at::Tensor& candidates) {
   check_rank(op, "candidates", candidates, 2, "[bs, B]");
@@ -144,7 +150,7 @@ void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& 
                " is out of range [0, ", width, "] (req_to_token width)");
     if (len[b] == 0) continue;
     const auto slots = table[pool[b]].narrow(0, 0, len[b]);
-    const int64_t lo = slots.min().item<int64_t>(), hi = slots.max().item<int64_t>();
+    const auto [lo, hi] = value_range(slots);
     SGLD_CHECK(lo >= 0 && hi < n_slots, op, "req_to_token[", pool[b], ", :", len[b],
                "] holds slot ids in [", lo, ", ", hi, "], outside the KV cache's [0, ", n_slots,
                ")");
@@ -191,7 +197,7 @@ VerifyShape check_verify_args(const at::Tensor& candidates, const at::Tensor& lo
 
 void check_verify_values(const at::Tensor& candidates, int64_t vocab) {
   if (candidates.numel() == 0) return;
-  const int64_t lo = candidates.min().item<int64_t>(), hi = candidates.max().item<int64_t>();
+  const auto [lo, hi] = value_range(candidates);
   SGLD_CHECK(lo >= 0 && hi < vocab, "verify_block",
              "candidates hold token ids in [", lo, ", ", hi, "], outside the vocabulary [0, ",
              vocab, ") of logits");
@@ -247,12 +253,12 @@ GumbelArgmaxShape check_gumbel_argmax_args(const at::Tensor& scores, const std::
 void check_gumbel_argmax_values(const std::optional<at::Tensor>& ids, const at::Tensor& rows) {
   const char* op = "gumbel_argmax";
   if (ids.has_value() && ids->numel() > 0) {
-    const int64_t lo = ids->min().item<int64_t>(), hi = ids->max().item<int64_t>();
+    const auto [lo, hi] = value_range(*ids);
     SGLD_CHECK(lo >= 0 && hi < (int64_t{1} << 34), op, "ids hold values in [", lo, ", ", hi,
                "], outside the token ids [0, 2^34) the noise is defined for");
   }
   if (rows.numel() > 0) {
-    const int64_t lo = rows.min().item<int64_t>(), hi = rows.max().item<int64_t>();
+    const auto [lo, hi] = value_range(rows);
     SGLD_CHECK(lo >= 0 && hi < (int64_t{1} << 32), op, "rows hold values in [", lo, ", ", hi,
                "], outside the verify rows [0, 2^32)");
   }
