@@ -34,9 +34,9 @@ class GrowingLayer(DynamicLayer):
                 and self.values.data_ptr() == self._value_buffer.data_ptr()
                 and self.keys.shape[:2] == buf.shape[:2] and self.keys.shape[3] == buf.shape[3])
 
-    def _regrow(self, needed: int, like: torch.Tensor) -> None:
+    def _regrow(self, length: int, needed: int, like: torch.Tensor) -> None:
+        """New buffers for `needed` columns plus spare, holding the current first `length`."""
         capacity = needed + max(MIN_SPARE_COLUMNS, needed // 4)
-        length = self.keys.shape[-2] if self.keys.numel() else 0
         bs, heads, _, dim = like.shape
         buffers = []
         for old in (self.keys, self.values):
@@ -57,7 +57,7 @@ class GrowingLayer(DynamicLayer):
             raise ValueError(f"KV cache update for batch {key_states.shape[0]} "
                              f"on a cache of batch {self.keys.shape[0]}")
         if not (length and self._is_prefix_of_buffer() and end <= self._key_buffer.shape[2]):
-            self._regrow(end, key_states)
+            self._regrow(length, end, key_states)
         self._key_buffer[:, :, length:end] = key_states
         self._value_buffer[:, :, length:end] = value_states
         self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
