@@ -39,6 +39,9 @@ ATTENTION_SHAPES = [
     (1, 16, 32, 8, 128, 4096, torch.float32),
     (8, 16, 16, 4, 128, 1024, torch.bfloat16),
     (4, 8, 16, 4, 64, 512, torch.float32),
+    # the shipped SmolLM2 drafter at B 4 (12 query rows per kv head)
+    (1, 4, 9, 3, 64, 150, torch.bfloat16),
+    (1, 4, 9, 3, 64, 600, torch.bfloat16),
 ]
 # (bs, B, V, temperature, drafts); "agree": every draft matches, so every row is read (worst
 # case); "random": drafts almost surely wrong, so only row 0 of each request is read.

@@ -34,6 +34,10 @@ def _grid_cases():
         (2, 16, 16, 4, 128, [3000, 17], torch.float32, 1024, False, 102),  # window < ctx
         (4, 1, 4, 4, 64, [5, 0, 64, 65], torch.float16, -1, True, 103),  # B = 1
         (3, 8, 8, 1, 64, [63, 64, 129], torch.float32, 2, True, 104),  # tile edges, tiny window
+        # B x G rows that are not a whole number of vectors (padded rows in the CPU kernel)
+        (2, 4, 9, 3, 64, [150, 600], torch.bfloat16, -1, False, 105),  # the shipped drafter: 12 rows
+        (1, 8, 9, 3, 64, [129], torch.float32, -1, False, 106),  # 24 rows
+        (3, 5, 6, 2, 64, [1, 70, 200], torch.float32, 7, True, 107),  # 10 rows, masked
     ]
     return cases
 

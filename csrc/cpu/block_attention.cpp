@@ -23,7 +23,7 @@ constexpr int64_t kTile = 64;  // context tokens per tile: K, V tiles and scores
 
 // C[M x N] += A[M x K] * Bm[K x N], fp32, Bm and C row-major; A row-major, or column-major
 // (element (i, k) at A[k * lda + i]) when kTransA. Four rows of C at a time, two vectors of
-// columns, so each loaded Bm vector feeds four FMAs.
+// columns (then one), so each loaded Bm vector feeds four FMAs.
 template <bool kTransA>
 void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* Bm,
                      int64_t ldb, float* C, int64_t ldc) {
@@ -62,7 +62,24 @@ void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
       c1.store(C + i * ldc + j + W);
     }
   }
-  for (; j < N; ++j) {  // column tail (N not a multiple of 2 * vector width)
+  for (; j + W <= N; j += W) {  // one vector of columns, four rows at a time
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) {
+      Vec c[4];
+      for (int r = 0; r < 4; ++r) c[r] = Vec::loadu(C + (i + r) * ldc + j);
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec b = Vec::loadu(Bm + k * ldb + j);
+        for (int r = 0; r < 4; ++r) c[r] = at::vec::fmadd(Vec(a_at(i + r, k)), b, c[r]);
+      }
+      for (int r = 0; r < 4; ++r) c[r].store(C + (i + r) * ldc + j);
+    }
+    for (; i < M; ++i) {
+      Vec c = Vec::loadu(C + i * ldc + j);
+      for (int64_t k = 0; k < K; ++k) c = at::vec::fmadd(Vec(a_at(i, k)), Vec::loadu(Bm + k * ldb + j), c);
+      c.store(C + i * ldc + j);
+    }
+  }
+  for (; j < N; ++j) {  // column tail (N not a multiple of the vector width)
     for (int64_t i = 0; i < M; ++i) {
       float acc = C[i * ldc + j];
       for (int64_t k = 0; k < K; ++k) acc += a_at(i, k) * Bm[k * ldb + j];
@@ -71,58 +88,62 @@ void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
   }
 }
 
-// Per-thread scratch, sized once per parallel chunk. Scores are kept key-major ([T, BG]) so that
-// the K tile is used as gathered (no transpose) and the softmax runs across rows in vectors.
-struct Scratch {
-  std::vector<float> q_t;    // [D, BG]  queries of one (request, kv head), pre-scaled, transposed
-  std::vector<float> k;      // [T, D]   K tile
-  std::vector<float> v;      // [T, D]   V tile
-  std::vector<float> score;  // [T, BG]  scores, then probabilities, of one tile
-  std::vector<float> acc;    // [BG, D]  un-normalised output
-  std::vector<float> max, sum;       // [BG] online-softmax state
-  std::vector<float> scale, tile_sum;  // [BG] per-tile work: new max / rescale factor, exp sums
-  Scratch(int64_t rows, int64_t tile, int64_t head_dim)
-      : q_t(head_dim * rows), k(tile * head_dim), v(tile * head_dim), score(tile * rows),
-        acc(rows * head_dim), max(rows), sum(rows), scale(rows), tile_sum(rows) {}
-};
-
 struct Problem {
   int64_t block_size, group, kv_heads, head_dim, window;
   bool causal_block;
   float sm_scale;
+  // The B x G query rows of one task, and that count rounded up to whole vectors: the row stride
+  // of the query and score buffers, so the score GEMM and the softmax never take a scalar tail
+  // (B 4 x G 3 = 12 rows would otherwise be computed one column at a time).
+  int64_t rows() const { return block_size * group; }
+  int64_t padded_rows() const { return (rows() + Vec::size() - 1) / Vec::size() * Vec::size(); }
 };
 
-// Online-softmax update of all BG query rows with one tile of `n` keys whose scores are in
-// s.score ([n, BG]); `visible(row_in_block, key)` says which (block row, tile key) pairs may
+// Per-thread scratch, sized once per parallel chunk. Scores are kept key-major ([T, R]) so that
+// the K tile is used as gathered (no transpose) and the softmax runs across rows in vectors.
+// R = padded_rows(): the padding rows have all-zero queries, so their (finite) scores and
+// outputs are computed and never read.
+struct Scratch {
+  std::vector<float> q_t;    // [D, R]  queries of one (request, kv head), pre-scaled, transposed
+  std::vector<float> k;      // [T, D]  K tile
+  std::vector<float> v;      // [T, D]  V tile
+  std::vector<float> score;  // [T, R]  scores, then probabilities, of one tile
+  std::vector<float> acc;    // [R, D]  un-normalised output
+  std::vector<float> max, sum;       // [R] online-softmax state
+  std::vector<float> scale, tile_sum;  // [R] per-tile work: new max / rescale factor, exp sums
+  Scratch(const Problem& p, int64_t tile)
+      : q_t(p.head_dim * p.padded_rows()), k(tile * p.head_dim), v(tile * p.head_dim),
+        score(tile * p.padded_rows()), acc(p.padded_rows() * p.head_dim), max(p.padded_rows()),
+        sum(p.padded_rows()), scale(p.padded_rows()), tile_sum(p.padded_rows()) {}
+};
+
+// Online-softmax update of all R query rows with one tile of `n` keys whose scores are in
+// s.score ([n, R]); `visible(row_in_block, key)` says which (block row, tile key) pairs may
 // attend, and is only consulted when `masked`. Everything runs across rows, W at a time.
 template <typename Visible>
 void softmax_tile(Scratch& s, const Problem& p, int64_t n, bool masked, Visible visible) {
-  const int64_t rows = p.block_size * p.group, W = Vec::size();
+  const int64_t rows = p.padded_rows(), W = Vec::size();
   float* score = s.score.data();
   float* new_max = s.scale.data();  // the new running max per row, then its rescale factor
   float* tile_sum = s.tile_sum.data();
   if (masked) {
     for (int64_t c = 0; c < n; ++c)
-      for (int64_t r = 0; r < rows; ++r)
+      for (int64_t r = 0; r < p.rows(); ++r)
         if (!visible(r / p.group, c)) score[c * rows + r] = -INFINITY;
   }
   std::copy(s.max.begin(), s.max.end(), new_max);
   std::fill(tile_sum, tile_sum + rows, 0.0f);
   for (int64_t c = 0; c < n; ++c)
-    for (int64_t r = 0; r < rows; ++r) new_max[r] = std::max(new_max[r], score[c * rows + r]);
+    for (int64_t r = 0; r < rows; r += W)  // rows is a whole number of vectors (padded_rows)
+      at::vec::maximum(Vec::loadu(new_max + r), Vec::loadu(score + c * rows + r)).store(new_max + r);
   for (int64_t c = 0; c < n; ++c) {
     float* row = score + c * rows;
-    int64_t r = 0;
-    for (; r + W <= rows; r += W) {
+    for (int64_t r = 0; r < rows; r += W) {
       // Rows with nothing visible yet subtract 0, so exp(-inf) gives 0 rather than NaN.
       const Vec m = Vec::loadu(new_max + r);
       const Vec e = (Vec::loadu(row + r) - Vec::blendv(m, Vec(0.0f), m == Vec(-INFINITY))).exp_u20();
       e.store(row + r);
       (Vec::loadu(tile_sum + r) + e).store(tile_sum + r);
-    }
-    for (; r < rows; ++r) {
-      row[r] = std::exp(row[r] - (new_max[r] == -INFINITY ? 0.0f : new_max[r]));
-      tile_sum[r] += row[r];
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -156,12 +177,12 @@ void load_tile(Scratch& s, int64_t n, int64_t head_dim, KeyPtr key_ptr) {
 // acc += P V with P read transposed from the key-major scores.
 template <typename Visible>
 void attend_tile(Scratch& s, const Problem& p, int64_t n, bool masked, Visible visible) {
-  const int64_t rows = p.block_size * p.group;
+  const int64_t rows = p.padded_rows();
   std::fill_n(s.score.data(), n * rows, 0.0f);
   gemm_accumulate<false>(n, rows, p.head_dim, s.k.data(), p.head_dim, s.q_t.data(), rows, s.score.data(),
                          rows);
   softmax_tile(s, p, n, masked, visible);
-  gemm_accumulate<true>(rows, p.head_dim, n, s.score.data(), rows, s.v.data(), p.head_dim, s.acc.data(),
+  gemm_accumulate<true>(p.rows(), p.head_dim, n, s.score.data(), rows, s.v.data(), p.head_dim, s.acc.data(),
                         p.head_dim);
 }
 
@@ -178,10 +199,10 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
   const scalar_t* vc_ptr = v_cache.data_ptr<scalar_t>();
   const table_t* table = req_to_token.data_ptr<table_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int64_t B = p.block_size, G = p.group, D = p.head_dim, rows = B * G;
+  const int64_t B = p.block_size, G = p.group, D = p.head_dim, rows = p.padded_rows();
 
   at::parallel_for(0, batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(rows, kTile, D);
+    Scratch s(p, kTile);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / p.kv_heads, h = task % p.kv_heads;
       const int64_t ctx = ctx_len[b];
