@@ -55,7 +55,7 @@ def test_training_lowers_loss_and_raises_tau(setup, tmp_path):
     assert after["tau"] > before["tau"] + 0.15, (before, after)
     # tau at smaller block sizes: the same runs cut shorter, so never more, and at most b tokens
     taus = [after[f"tau@{b}"] for b in range(2, BLOCK)] + [after["tau"]]
-    assert all(1.0 <= t <= b for t, b in zip(taus, range(2, BLOCK + 1)))
+    assert all(1.0 <= t <= b for t, b in zip(taus, range(2, BLOCK + 1), strict=True))
     assert taus == sorted(taus) and taus[0] < taus[-1], taus
     first = sum(h["loss"] for h in history[:5]) / 5
     last = sum(h["loss"] for h in history[-5:]) / 5
