@@ -1,6 +1,7 @@
 """Sampled DFlash generation is lossless: the joint law of the first emitted tokens matches the
 target's own sampling distribution (computed exactly here), by a deterministic chi-square test;
-also when the drafts are picked with the verify step's own noise (`DraftSampling`)."""
+also when the drafts are picked with the verify step's own noise (`DraftSampling`). And at one
+seed, speculative sampling emits exactly the tokens plain sampling emits."""
 
 from __future__ import annotations
 
@@ -160,3 +161,20 @@ def test_same_seed_same_samples_and_requests_independent(target):
     other = [r.output_ids for r in gen.generate([PROMPT] * 8, SamplingParams(
         temperature=1.0, seed=22, max_new_tokens=6, stop_token_ids=()))]
     assert other != first
+
+
+@pytest.mark.parametrize("drafter_kind", ["copy", "dflash"])
+def test_seeded_speculative_output_equals_seeded_plain_output(target, drafter_kind):
+    """Every sample is keyed by the position it fills, so at one seed the tokens are those of plain
+    sampling, at any block size, fixed or adaptive, accepted drafts or not (greedy-style equality,
+    far stronger than the law above; ties in the noisy scores aside, which fp32 makes negligible)."""
+    prompts = [PROMPT, [7, 1, 2, 2, 8], [4]]
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=31, max_new_tokens=24, stop_token_ids=())
+    plain = [r.output_ids for r in Generator(target, OracleDrafter([], VOCAB), 1).generate(prompts, params)]
+    if drafter_kind == "copy":  # the plain output itself, 30% corrupted: long and short acceptances
+        drafter = OracleDrafter([p + o for p, o in zip(prompts, plain, strict=True)], VOCAB, corrupt=0.3)
+    else:
+        drafter = DFlashDrafter(random_draft(target, block_size=8), target)
+    for block_size, adaptive in ((2, False), (5, False), (8, True)):
+        spec = Generator(target, drafter, block_size, adaptive=adaptive).generate(prompts, params)
+        assert [r.output_ids for r in spec] == plain, (block_size, adaptive)

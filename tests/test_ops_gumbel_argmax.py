@@ -101,3 +101,15 @@ def test_rejects(change, match):
     args = dict(scores=scores, ids=ids, offsets=offsets, rows=rows) | change
     with pytest.raises(ValueError, match=match):
         ops.gumbel_argmax(args["scores"], args["ids"], 0, args["offsets"], args["rows"])
+
+
+def test_row_i_at_offset_o_draws_the_noise_of_row_0_at_offset_o_plus_i():
+    """The noise key is offset + row: what lets the engine key every sample by its position."""
+    g = torch.Generator().manual_seed(9)
+    scores = torch.randn(6, 3000, generator=g)
+    offsets = torch.randint(0, 1 << 50, (6,), generator=g)
+    rows = torch.tensor([0, 1, 2, 5, 9, 15])
+    shifted = ops.gumbel_argmax(scores, None, 4, offsets + rows, torch.zeros(6, dtype=torch.int64))
+    assert torch.equal(ops.gumbel_argmax(scores, None, 4, offsets, rows), shifted)
+    assert torch.equal(reference.gumbel_noise(4, 1000, 3, 64), reference.gumbel_noise(4, 1003, 0, 64))
+    assert not torch.equal(reference.gumbel_noise(4, 1000, 3, 64), reference.gumbel_noise(4, 1000, 0, 64))

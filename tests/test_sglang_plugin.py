@@ -450,7 +450,7 @@ def test_simulated_acceptance_goes_to_sglang(monkeypatch):
 
 def test_sampled_accept_matches_the_reference_op():
     """Per-request temperature / top-k / top-p reach verify_block as the op's spec defines them."""
-    from sglang_dflash.sglang.worker import _STEP_SHIFT, DFlashKernelWorker
+    from sglang_dflash.sglang.worker import DFlashKernelWorker, unseeded_offsets
 
     bs, block, vocab, seed = 6, 8, 40, 99
     gen = torch.Generator().manual_seed(5)
@@ -460,7 +460,7 @@ def test_sampled_accept_matches_the_reference_op():
     w = _bare_worker(DFlashKernelWorker, block, random_seed=seed)
     for step in range(3):
         # Candidates that follow the reference's own samples for a while, so lengths vary.
-        offsets = torch.arange(bs) + (step << _STEP_SHIFT)
+        offsets = unseeded_offsets(step, bs, "cpu")
         eff_t = torch.tensor([0.0 if t == 0 else t for t in temps])
         y = reference.target_samples(logits, eff_t, torch.tensor(top_ks, dtype=torch.int32),
                                      torch.tensor(top_ps), seed, offsets, block)

@@ -126,16 +126,15 @@ class Generator:
         n = len(prompts)
         stop = set(target.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
         results = [GenerationResult(p, [], [], RequestStats(B, accept_hist=[0] * B)) for p in prompts]
-        # Sampling noise is keyed by (seed, offset, row): offset = request index << 32 | rows used.
-        counters = [0] * n
-
+        # Verify row i draws the noise keyed (seed, offset + i). offset = request index << 32 | the
+        # output position row 0 fills: every sample is keyed by its position, so the tokens do not
+        # depend on the block sizes (seeded speculative output = seeded plain output).
         def next_offsets(reqs):
-            return torch.tensor([(r << 32) | counters[r] for r in reqs], dtype=torch.int64, device=dev)
+            return torch.tensor([(r << 32) | len(results[r].output_ids) for r in reqs], dtype=torch.int64,
+                                device=dev)
 
         def sample(candidates, logits, reqs, offsets):
             bs = len(reqs)
-            for r in reqs:
-                counters[r] += candidates.shape[1]
             return verify_block(
                 candidates, logits,
                 torch.full((bs,), params.temperature, dtype=torch.float32, device=dev),

@@ -58,7 +58,9 @@ def verify_block(
     candidates int64 [bs, B]: the committed anchor then B-1 drafts; logits [bs*B, V]: row b*B+i
     predicts the token after candidates[b, i]. Per request: temperature f32 (<= 0: greedy),
     top_k i32 (<= 0: off), top_p f32 (>= 1: off) and offsets i64, which with `seed` key the
-    sampling noise (pass offsets that never repeat for a request, e.g. its position).
+    sampling noise: row i of request b draws the noise of key offsets[b] + i, so with offsets =
+    the position of each request's row-0 token (plus a per-request salt), every sample is keyed
+    by the position it fills and the output does not depend on how the tokens were blocked.
     Returns accept_len i32 [bs], bonus i64 [bs], out_tokens i64 [bs, B] (accepted drafts, the
     bonus, then -1).
     """

@@ -72,17 +72,17 @@ def philox4x32_10(counter: list[torch.Tensor], key: tuple[int, int]) -> list[tor
 def gumbel_noise(seed: int, offset: int, row: int, vocab_size: int, device=None) -> torch.Tensor:
     """Gumbel(0, 1) noise for one verify row: fp32 [vocab_size].
 
-    Vocab id v reads lane v % 4 of the Philox block at counter (v // 4, row, offset lo, offset hi)
-    under key seed. The 23 high bits of the lane give u = (2m + 1) / 2^24 in (0, 1), exactly; the
+    Vocab id v reads lane v % 4 of the Philox block at counter (v // 4, 0, key lo, key hi) under
+    key seed, with key = offset + row (mod 2^64): row r at offset o draws the noise of row 0 at
+    offset o + r, so offsets that give row 0's position key every sample by its position. The 23
+    high bits of the lane give u = (2m + 1) / 2^24 in (0, 1), exactly; the
     noise -log(-log(u)) is evaluated in float64 and rounded once to fp32 so every backend agrees.
     """
-    offset &= (1 << 64) - 1
+    key = (offset + row) & ((1 << 64) - 1)
     seed &= (1 << 64) - 1
     group = torch.arange((vocab_size + 3) // 4, dtype=torch.int64, device=device)
     full = torch.full_like(group, 0)
-    lanes = philox4x32_10(
-        [group, full + row, full + (offset & _U32), full + (offset >> 32)], (seed & _U32, seed >> 32)
-    )
+    lanes = philox4x32_10([group, full, full + (key & _U32), full + (key >> 32)], (seed & _U32, seed >> 32))
     bits = torch.stack(lanes, dim=1).reshape(-1)[:vocab_size]
     u = ((bits >> 9) * 2 + 1).double() / 2.0**24
     return (-torch.log(-torch.log(u))).float()

@@ -9,10 +9,10 @@ kernels (DESIGN.md section 3.2):
 - greedy with logits: `verify_block` at temperature 0, i.e. the argmax fused into the accept scan
   (with TP sync on, the argmax ids are computed and broadcast first, as SGLang does);
 - sampling (temperature / top-k / top-p per request): `verify_block`'s Gumbel-max sampling, one
-  pass over the logits with no dense probability tensor. Noise is keyed by (seed, offset, row, id):
+  pass over the logits with no dense probability tensor. Noise is keyed by (seed, offset + row, id):
   the seed is the server's `random_seed`; a request's offset is derived from its `sampling_seed`
-  and current length under deterministic inference, otherwise from a step counter and its row,
-  so that it never repeats across steps.
+  and current length under deterministic inference (so each sample is keyed by its position),
+  otherwise from a step counter and the request's row, so that no key repeats.
 
 Results go into SGLang's double-buffered outputs (`_next_accept_bonus_buffers`), and the decisions
 are broadcast from TP rank 0 at the same `SpecTpSyncSite`s SGLang uses. The parent handles what
@@ -47,9 +47,16 @@ _GREEDY_SITE = "DFLASH_ACCEPT_GREEDY"
 _SAMPLE_SITE = "DFLASH_ACCEPT_SAMPLE"
 # Odd 64-bit constant (golden ratio) that spreads sampling seeds over the offset space.
 _SEED_MIX = 0x9E3779B97F4A7C15 - (1 << 64)
-# Offsets of the step counter: row b of step s gets s * 2^20 + b (batches are far below 2^20).
-_STEP_SHIFT = 20
+_ROW_BITS, _REQUEST_BITS, _STEP_PERIOD = 16, 20, 1 << 27
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def unseeded_offsets(step: int, bs: int, device) -> torch.Tensor:
+    """Sampling offsets of a batch without sampling seeds: request b of step s gets
+    (s << 36) + (b << 16). Verify row i draws key offset + i, so rows (< 2^16), requests (< 2^20)
+    and steps (mod 2^27) never share a key."""
+    step_key = (step % _STEP_PERIOD) << (_ROW_BITS + _REQUEST_BITS)
+    return (torch.arange(bs, dtype=torch.int64, device=device) << _ROW_BITS) + step_key
 
 
 def compatibility_problems() -> list[str]:
@@ -263,11 +270,11 @@ class DFlashKernelWorker(DFlashWorkerV2):
         top_p = sampling_info.top_ps.reshape(-1).to(device=dev, dtype=torch.float32)
         seeds = getattr(sampling_info, "sampling_seed", None)
         if seeds is not None:
-            # Deterministic inference: reproducible per request; the length grows every step.
+            # Deterministic inference: reproducible per request, each sample keyed by its position.
             offsets = seeds.reshape(-1).to(device=dev, dtype=torch.int64) * _SEED_MIX
             offsets = offsets + prefix_lens.to(torch.int64)
         else:
-            offsets = torch.arange(bs, dtype=torch.int64, device=dev) + (self._dflash_step << _STEP_SHIFT)
+            offsets = unseeded_offsets(self._dflash_step, bs, dev)
         self._dflash_step += 1
         return temperature, top_k, top_p, offsets
 

@@ -14,12 +14,13 @@
 namespace sglang_dflash {
 
 // The Philox4x32-10 block behind vocab ids 4*group .. 4*group+3 of verify row `row` of the
-// request whose sampling offset is `offset`: counter (group, row, offset) under key `seed`; lane j
-// belongs to id 4*group + j.
+// request whose sampling offset is `offset`: counter (group, 0, offset + row) under key `seed`;
+// lane j belongs to id 4*group + j. Row r at offset o draws what row 0 at offset o + r draws, so a
+// caller whose offset is the position of row 0's token keys every sample by the position it
+// fills: speculative steps then emit exactly the tokens one-row steps with the same seed emit.
 SGLD_HOST_DEVICE void philox_lanes4(uint64_t seed, uint64_t offset, uint32_t row, uint32_t group,
                                     uint32_t lanes[4]) {
-  at::philox_engine engine(seed, /*subsequence=*/offset,
-                           /*offset=*/(static_cast<uint64_t>(row) << 32) | group);
+  at::philox_engine engine(seed, /*subsequence=*/offset + row, /*offset=*/group);
   for (int lane = 0; lane < 4; ++lane) lanes[lane] = engine();
 }
 
