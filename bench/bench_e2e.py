@@ -9,7 +9,8 @@ the same target in the same engine, side by side in one run, on real prompt sets
 For every dataset, temperature and block size (fixed, and with --adaptive the adaptive block size
 up to each given maximum, "B=≤8" in the outputs) it prints tau (token-weighted: all committed
 tokens over all verify steps; and the per-sample mean), the mean block size and the speedup in
-decode tokens/s, writes bench/results/e2e_<target>.json and two PNGs (tau histogram, speedup per
+decode tokens/s, and whether the outputs equal plain decoding's (greedy, or sampled with the same
+seed), writes bench/results/e2e_<target>.json and two PNGs (tau histogram, speedup per
 dataset).
 
     python bench/bench_e2e.py [--draft DIR|NAME] [--target smollm2-135m] [--datasets gsm8k humaneval]
@@ -148,12 +149,13 @@ def main() -> None:
     print(f"\n{args.target} + {args.draft}, bs 1, {torch.get_num_threads()} threads, "
           f"{args.max_new_tokens} new tokens, {args.samples} prompts per dataset")
     print(f"{'dataset':10s} {'T':>4s} {'B':>4s} {'mean B':>6s} {'tau(tok)':>9s} {'tau(mean)':>9s} {'speedup':>8s} "
-          f"{'spec tok/s':>10s} {'plain tok/s':>11s} {'spec step ms':>12s} {'(draft)':>7s} {'plain step ms':>13s}")
+          f"{'spec tok/s':>10s} {'plain tok/s':>11s} {'spec step ms':>12s} {'(draft)':>7s} {'plain step ms':>13s} "
+          f"{'= plain':>7s}")
     for r in rows:
         print(f"{r['dataset']:10s} {r['temperature']:4.1f} {block_label(r):>4s} {r['mean_block_size']:6.2f} "
               f"{r['tau_token_weighted']:9.2f} {r['tau_per_sample_mean']:9.2f} {r['speedup']:7.2f}x "
               f"{r['spec_tok_s']:10.1f} {r['plain_tok_s']:11.1f} {r['spec_step_ms']:12.1f} "
-              f"{r['draft_ms_per_step']:7.1f} {r['plain_step_ms']:13.1f}")
+              f"{r['draft_ms_per_step']:7.1f} {r['plain_step_ms']:13.1f} {str(r['identical_to_plain']):>7s}")
     out = args.out or ROOT / "bench" / "results" / f"e2e_{Path(args.target).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -48,12 +48,12 @@ def run_demo(target_name: str, draft_name: str, block_size: int | None, max_new_
         out = result.spec[0]
         spec += result.spec
         plain += result.plain
-        identical &= bool(s["greedy_identical"])
+        identical &= bool(s["identical_to_plain"])
         print(f"--- prompt {i}: {textwrap.shorten(prompt, 100)}")
         print(textwrap.indent(out.text.strip(), "    "))
         print(f"    tau {s['tau_token_weighted']:.2f} tokens per target pass | {s['spec_tok_s']:.1f} tok/s with "
               f"DFlash vs {s['plain_tok_s']:.1f} plain | speedup {s['speedup']:.2f}x | "
-              f"same text as plain decoding: {s['greedy_identical']}\n")
+              f"same text as plain decoding: {s['identical_to_plain']}\n")
     print(f"overall decode speedup {decode_rate(spec) / decode_rate(plain):.2f}x; "
           f"output identical to plain greedy decoding: {identical}")
     return 0 if identical else 1
