@@ -49,7 +49,7 @@ bench:
 e2e: $(INSTALLED)
 	$(PY) -m pip install $(E2E_DATA_SPECS)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
-	$(PY) bench/bench_e2e.py
+	$(PY) bench/bench_e2e.py --samples 6 --block-sizes 3 4 --adaptive 8
 
 # On a GPU machine: build with CUDA, cuda tests, compute-sanitizer, kernel benchmark -> $$OUT.
 gpu-check:

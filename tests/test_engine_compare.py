@@ -28,11 +28,15 @@ def test_comparison_summary_is_consistent_with_the_runs():
     drafter = DFlashDrafter(random_draft(target, block_size=8), target)
     prompts = [[3, 9, 14, 22], [5, 6, 40, 41, 42, 43, 10]]
     params = SamplingParams(max_new_tokens=20)
-    comparisons = compare(target, drafter, prompts, [4, 8], params, chat=False)
-    assert [c.block_size for c in comparisons] == [4, 8]
+    comparisons = compare(target, drafter, prompts, [4, 8], params, chat=False, adaptive_block_sizes=[8])
+    assert [(c.block_size, c.adaptive) for c in comparisons] == [(4, False), (8, False), (8, True)]
     for c in comparisons:
         s = c.summary()
         assert s["identical_to_plain"] is True
+        if c.adaptive:
+            assert 1 <= s["mean_block_size"] <= 8
+        else:
+            assert s["mean_block_size"] == c.block_size
         steps = sum(r.stats.steps for r in c.spec)
         assert sum(s["accept_histogram"]) == steps and len(s["accept_histogram"]) == c.block_size
         tokens = sum(len(r.output_ids) - 1 for r in c.spec)
@@ -42,7 +46,7 @@ def test_comparison_summary_is_consistent_with_the_runs():
         assert s["speedup"] == pytest.approx(
             s["tau_token_weighted"] / s["spec_step_ms"] / (plain_tau(c) / s["plain_step_ms"]))
         assert 0 < s["draft_ms_per_step"] < s["spec_step_ms"]
-    assert comparisons[0].plain is comparisons[1].plain, "plain decoding runs once for all block sizes"
+    assert comparisons[0].plain is comparisons[2].plain, "plain decoding runs once for all block sizes"
     sampled = compare(target, drafter, prompts[:1], [4], SamplingParams(temperature=1.0, max_new_tokens=8),
                       chat=False)[0]
     assert sampled.summary()["identical_to_plain"] is True  # same seed: the same samples
@@ -87,12 +91,15 @@ def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
     out = tmp_path / "e2e.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_e2e.py"), "--datasets", "gsm8k", "--samples",
-                          "2", "--block-sizes", "4", "8", "--temperatures", "0", "1", "--max-new-tokens", "12",
-                          "--threads", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, env=env)
+                          "2", "--block-sizes", "4", "8", "--adaptive", "4", "--temperatures", "0", "1",
+                          "--max-new-tokens", "12", "--threads", "2", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "tau(tok)" in run.stdout
     result = json.loads(out.read_text())
-    assert [(c["temperature"], c["block_size"]) for c in result["cases"]] == [(0.0, 4), (0.0, 8), (1.0, 4), (1.0, 8)]
+    assert [(c["temperature"], c["block_size"], c["adaptive"]) for c in result["cases"]] == [
+        (t, b, a) for t in (0.0, 1.0) for b, a in ((4, False), (8, False), (4, True))]
+    assert "≤4" in run.stdout
     assert all(c["identical_to_plain"] for c in result["cases"])
     assert all(c["tau_token_weighted"] >= 1 for c in result["cases"])
     assert out.with_name("e2e_tau_hist.png").stat().st_size > 1000
