@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -21,6 +22,27 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kTile = 64;  // context tokens per tile: K, V tiles and scores stay in L1/L2
 
+// Rows i..i+R-1 and vectors of columns j..j+V*W-1 of C += A * Bm (see gemm_accumulate): R x V
+// accumulators in registers, each loaded Bm vector feeding R FMAs.
+template <int R, int V, typename AAt>
+void accumulate_tile(int64_t i, int64_t j, int64_t K, AAt a_at, const float* Bm, int64_t ldb, float* C,
+                     int64_t ldc) {
+  constexpr int64_t W = Vec::size();
+  Vec c[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) c[r][v] = Vec::loadu(C + (i + r) * ldc + j + v * W);
+  for (int64_t k = 0; k < K; ++k) {
+    Vec b[V];
+    for (int v = 0; v < V; ++v) b[v] = Vec::loadu(Bm + k * ldb + j + v * W);
+    for (int r = 0; r < R; ++r) {
+      const Vec a(a_at(i + r, k));
+      for (int v = 0; v < V; ++v) c[r][v] = at::vec::fmadd(a, b[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) c[r][v].store(C + (i + r) * ldc + j + v * W);
+}
+
 // C[M x N] += A[M x K] * Bm[K x N], fp32, Bm and C row-major; A row-major, or column-major
 // (element (i, k) at A[k * lda + i]) when kTransA. Four rows of C at a time, two vectors of
 // columns (then one), so each loaded Bm vector feeds four FMAs.
@@ -29,56 +51,15 @@ void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
                      int64_t ldb, float* C, int64_t ldc) {
   auto a_at = [&](int64_t i, int64_t k) { return kTransA ? A[k * lda + i] : A[i * lda + k]; };
   constexpr int64_t W = Vec::size();
+  auto columns = [&](auto vectors, int64_t j) {
+    constexpr int V = decltype(vectors)::value;
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) accumulate_tile<4, V>(i, j, K, a_at, Bm, ldb, C, ldc);
+    for (; i < M; ++i) accumulate_tile<1, V>(i, j, K, a_at, Bm, ldb, C, ldc);
+  };
   int64_t j = 0;
-  for (; j + 2 * W <= N; j += 2 * W) {
-    int64_t i = 0;
-    for (; i + 4 <= M; i += 4) {
-      Vec c[4][2];
-      for (int r = 0; r < 4; ++r) {
-        c[r][0] = Vec::loadu(C + (i + r) * ldc + j);
-        c[r][1] = Vec::loadu(C + (i + r) * ldc + j + W);
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        const Vec b0 = Vec::loadu(Bm + k * ldb + j), b1 = Vec::loadu(Bm + k * ldb + j + W);
-        for (int r = 0; r < 4; ++r) {
-          const Vec a(a_at(i + r, k));
-          c[r][0] = at::vec::fmadd(a, b0, c[r][0]);
-          c[r][1] = at::vec::fmadd(a, b1, c[r][1]);
-        }
-      }
-      for (int r = 0; r < 4; ++r) {
-        c[r][0].store(C + (i + r) * ldc + j);
-        c[r][1].store(C + (i + r) * ldc + j + W);
-      }
-    }
-    for (; i < M; ++i) {
-      Vec c0 = Vec::loadu(C + i * ldc + j), c1 = Vec::loadu(C + i * ldc + j + W);
-      for (int64_t k = 0; k < K; ++k) {
-        const Vec a(a_at(i, k));
-        c0 = at::vec::fmadd(a, Vec::loadu(Bm + k * ldb + j), c0);
-        c1 = at::vec::fmadd(a, Vec::loadu(Bm + k * ldb + j + W), c1);
-      }
-      c0.store(C + i * ldc + j);
-      c1.store(C + i * ldc + j + W);
-    }
-  }
-  for (; j + W <= N; j += W) {  // one vector of columns, four rows at a time
-    int64_t i = 0;
-    for (; i + 4 <= M; i += 4) {
-      Vec c[4];
-      for (int r = 0; r < 4; ++r) c[r] = Vec::loadu(C + (i + r) * ldc + j);
-      for (int64_t k = 0; k < K; ++k) {
-        const Vec b = Vec::loadu(Bm + k * ldb + j);
-        for (int r = 0; r < 4; ++r) c[r] = at::vec::fmadd(Vec(a_at(i + r, k)), b, c[r]);
-      }
-      for (int r = 0; r < 4; ++r) c[r].store(C + (i + r) * ldc + j);
-    }
-    for (; i < M; ++i) {
-      Vec c = Vec::loadu(C + i * ldc + j);
-      for (int64_t k = 0; k < K; ++k) c = at::vec::fmadd(Vec(a_at(i, k)), Vec::loadu(Bm + k * ldb + j), c);
-      c.store(C + i * ldc + j);
-    }
-  }
+  for (; j + 2 * W <= N; j += 2 * W) columns(std::integral_constant<int, 2>{}, j);
+  for (; j + W <= N; j += W) columns(std::integral_constant<int, 1>{}, j);
   for (; j < N; ++j) {  // column tail (N not a multiple of the vector width)
     for (int64_t i = 0; i < M; ++i) {
       float acc = C[i * ldc + j];
