@@ -66,7 +66,8 @@ class DFlashDrafter:
         hidden = hidden.view(len(reqs), block_size, -1)[:, 1:]
         logits = self.model.logits(hidden, self.lm_head_weight)
         if sampling is None or sampling.temperature <= 0:
-            drafts = logits.argmax(-1)
+            # max(-1).indices: torch's CPU argmax over bf16 rows is ~3x slower (0.1 ms a step).
+            drafts = logits.max(-1).indices
         else:
             # Draft k is checked against the target's sample in verify row k - 1: pick it with that
             # row's noise, so it is the target's own pick wherever the two distributions agree
