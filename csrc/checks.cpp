@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <sstream>
+#include <string>
+#include <vector>
 
 namespace sglang_dflash {
 namespace {
@@ -58,6 +61,20 @@ void check_rows_of_vectors(const char* op, const char* name, const at::Tensor& t
 std::pair<int64_t, int64_t> value_range(const at::Tensor& t) {
   const auto [lo, hi] = at::aminmax(t);
   return {lo.item<int64_t>(), hi.item<int64_t>()};
+}
+
+// (min, max) of table[row, :n] of a CPU int32 / int64 table, read in place (no tensor ops).
+std::pair<int64_t, int64_t> cpu_value_range(const at::Tensor& table, int64_t row, int64_t n) {
+  return AT_DISPATCH_INDEX_TYPES(table.scalar_type(), "cpu_value_range", [&] {
+    const index_t* p = table.data_ptr<index_t>() + row * table.stride(0);
+    const int64_t step = table.stride(1);
+    int64_t lo = p[0], hi = p[0];
+    for (int64_t j = 1; j < n; ++j) {
+      lo = std::min<int64_t>(lo, p[j * step]);
+      hi = std::max<int64_t>(hi, p[j * step]);
+    }
+    return std::pair<int64_t, int64_t>{lo, hi};
+  });
 }
 
 // candidates [bs, B] int64 with B >= 1 (the anchor column); returns (bs, B).
@@ -138,7 +155,6 @@ void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& 
   const char* op = "block_attention";
   const auto pools = req_pool_indices.to(at::kLong).contiguous();
   const auto lens = ctx_lens.to(at::kLong).contiguous();
-  const auto table = req_to_token.to(at::kLong);
   const int64_t n_reqs = req_to_token.size(0), width = req_to_token.size(1);
   const int64_t n_slots = k_cache.size(0);
   const int64_t* pool = pools.data_ptr<int64_t>();
@@ -149,8 +165,10 @@ void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& 
     SGLD_CHECK(len[b] >= 0 && len[b] <= width, op, "ctx_lens[", b, "] = ", len[b],
                " is out of range [0, ", width, "] (req_to_token width)");
     if (len[b] == 0) continue;
-    const auto slots = table[pool[b]].narrow(0, 0, len[b]);
-    const auto [lo, hi] = value_range(slots);
+    // Only the rows in use: SGLang's table is [max requests, context length], far larger than
+    // what one step reads, and this runs once per attention layer.
+    const auto [lo, hi] = req_to_token.is_cpu() ? cpu_value_range(req_to_token, pool[b], len[b])
+                                                : value_range(req_to_token[pool[b]].narrow(0, 0, len[b]));
     SGLD_CHECK(lo >= 0 && hi < n_slots, op, "req_to_token[", pool[b], ", :", len[b],
                "] holds slot ids in [", lo, ", ", hi, "], outside the KV cache's [0, ", n_slots,
                ")");
@@ -262,6 +280,112 @@ void check_gumbel_argmax_values(const std::optional<at::Tensor>& ids, const at::
     SGLD_CHECK(lo >= 0 && hi < (int64_t{1} << 32), op, "rows hold values in [", lo, ", ", hi,
                "], outside the verify rows [0, 2^32)");
   }
+}
+
+ContextKvShape check_materialize_context_kv_args(const at::Tensor& ctx, at::TensorList kv_weights,
+                                                 const std::optional<at::TensorList>& kv_biases,
+                                                 at::TensorList k_norm_weights, const at::Tensor& cos_sin_cache,
+                                                 const at::Tensor& positions, const at::Tensor& out_loc,
+                                                 at::TensorList k_caches, at::TensorList v_caches) {
+  const char* op = "materialize_context_kv";
+  const auto item = [](const char* list, int64_t l) { return std::string(list) + "[" + std::to_string(l) + "]"; };
+  check_rank(op, "ctx", ctx, 2, "[N, H]");
+  SGLD_CHECK(is_float_type(ctx.scalar_type()), op, "ctx must be float32, bfloat16 or float16, got ",
+             ctx.scalar_type());
+  const int64_t layers = static_cast<int64_t>(kv_weights.size());
+  SGLD_CHECK(layers >= 1, op, "kv_weights must hold at least one layer's weight, got an empty list");
+  for (auto [name, count] : {std::pair<const char*, size_t>{"k_norm_weights", k_norm_weights.size()},
+                             {"k_caches", k_caches.size()},
+                             {"v_caches", v_caches.size()},
+                             {"kv_biases", kv_biases.has_value() ? kv_biases->size() : kv_weights.size()}}) {
+    SGLD_CHECK(static_cast<int64_t>(count) == layers, op, name, " must hold one tensor per layer (L = ", layers,
+               " from kv_weights), got ", count);
+  }
+
+  // Hkv, D and S come from the first pool; every other pool must match it.
+  const at::Tensor& pool0 = k_caches[0];
+  check_rank(op, "k_caches[0]", pool0, 3, "[S, Hkv, D]");
+  SGLD_CHECK(is_float_type(pool0.scalar_type()), op, "k_caches[0] must be float32, bfloat16 or float16, got ",
+             pool0.scalar_type());
+  const int64_t slots = pool0.size(0), kv_heads = pool0.size(1), head_dim = pool0.size(2);
+  SGLD_CHECK(kv_heads >= 1 && head_dim >= 1, op, "k_caches[0] must have kv heads and head_dim >= 1, got shape ",
+             shape_of(pool0));
+  const int64_t kv_rows = 2 * kv_heads * head_dim;
+  for (int64_t l = 0; l < layers; ++l) {
+    for (auto [list, pools] : {std::pair<const char*, at::TensorList>{"k_caches", k_caches}, {"v_caches", v_caches}}) {
+      const std::string name = item(list, l);
+      const at::Tensor& pool = pools[l];
+      check_rank(op, name.c_str(), pool, 3, "[S, Hkv, D]");
+      check_size(op, name.c_str(), pool, 0, slots, "S = k_caches[0].shape[0]");
+      check_size(op, name.c_str(), pool, 1, kv_heads, "Hkv = k_caches[0].shape[1]");
+      check_size(op, name.c_str(), pool, 2, head_dim, "D = k_caches[0].shape[2]");
+      SGLD_CHECK(pool.scalar_type() == pool0.scalar_type(), op, name, " must have k_caches[0]'s dtype ",
+                 pool0.scalar_type(), ", got ", pool.scalar_type());
+      check_same_device(op, ctx, name.c_str(), pool);
+      check_rows_of_vectors(op, name.c_str(), pool);
+    }
+    const std::string w = item("kv_weights", l), n = item("k_norm_weights", l);
+    check_rank(op, w.c_str(), kv_weights[l], 2, "[2 * Hkv * D, H]");
+    check_size(op, w.c_str(), kv_weights[l], 0, kv_rows, "2 * Hkv * D from the KV pools");
+    check_size(op, w.c_str(), kv_weights[l], 1, ctx.size(1), "H = ctx.shape[1]");
+    check_rows_of_vectors(op, w.c_str(), kv_weights[l]);
+    check_rank(op, n.c_str(), k_norm_weights[l], 1, "[D]");
+    check_size(op, n.c_str(), k_norm_weights[l], 0, head_dim, "D from the KV pools");
+    std::vector<std::pair<std::string, const at::Tensor*>> same_dtype{{w, &kv_weights[l]}, {n, &k_norm_weights[l]}};
+    if (kv_biases.has_value()) {
+      const std::string b = item("kv_biases", l);
+      check_rank(op, b.c_str(), (*kv_biases)[l], 1, "[2 * Hkv * D]");
+      check_size(op, b.c_str(), (*kv_biases)[l], 0, kv_rows, "2 * Hkv * D from the KV pools");
+      same_dtype.emplace_back(b, &(*kv_biases)[l]);
+    }
+    for (const auto& [name, t] : same_dtype) {
+      SGLD_CHECK(t->scalar_type() == ctx.scalar_type(), op, name, " must have ctx's dtype ", ctx.scalar_type(),
+                 ", got ", t->scalar_type());
+      check_same_device(op, ctx, name.c_str(), *t);
+    }
+  }
+
+  check_rank(op, "cos_sin_cache", cos_sin_cache, 2, "[P, rotary_dim]");
+  SGLD_CHECK(is_float_type(cos_sin_cache.scalar_type()), op,
+             "cos_sin_cache must be float32, bfloat16 or float16, got ", cos_sin_cache.scalar_type());
+  const int64_t rotary_dim = cos_sin_cache.size(1);
+  SGLD_CHECK(rotary_dim % 2 == 0 && rotary_dim >= 2 && rotary_dim <= head_dim, op,
+             "cos_sin_cache.shape[1] (rotary_dim: cos then sin halves) must be even, in [2, D = ", head_dim,
+             "], got shape ", shape_of(cos_sin_cache));
+  check_rows_of_vectors(op, "cos_sin_cache", cos_sin_cache);
+  check_same_device(op, ctx, "cos_sin_cache", cos_sin_cache);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"positions", &positions}, {"out_loc", &out_loc}}) {
+    check_rank(op, name, *t, 1, "[N]");
+    check_size(op, name, *t, 0, ctx.size(0), "N = ctx.shape[0]");
+    check_index_tensor(op, name, *t);
+    check_same_device(op, ctx, name, *t);
+  }
+  return {ctx.size(0), layers, kv_heads, head_dim, rotary_dim, cos_sin_cache.size(0), slots};
+}
+
+void check_materialize_context_kv_indices(const at::Tensor& positions, const at::Tensor& out_loc,
+                                          const ContextKvShape& shape) {
+  const char* op = "materialize_context_kv";
+  if (shape.rows == 0) return;
+  const auto [pos_lo, pos_hi] = value_range(positions);
+  SGLD_CHECK(pos_lo >= 0 && pos_hi < shape.max_positions, op, "positions hold values in [", pos_lo, ", ", pos_hi,
+             "], outside the rows [0, ", shape.max_positions, ") of cos_sin_cache");
+  const auto loc = out_loc.to(at::kLong).contiguous();
+  const auto [loc_lo, loc_hi] = value_range(loc);
+  SGLD_CHECK(loc_lo >= -1 && loc_hi < shape.slots, op, "out_loc holds values in [", loc_lo, ", ", loc_hi,
+             "], outside [-1, ", shape.slots, ") (-1: row not written; else a slot of the KV pools)");
+  // Two rows into one slot would leave it holding either row, or a mix on CUDA: rejected here,
+  // where it is cheap (N is small and the values are on the host already).
+  std::vector<std::pair<int64_t, int64_t>> written;  // (slot, row)
+  const int64_t* slot = loc.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < shape.rows; ++r) {
+    if (slot[r] >= 0) written.emplace_back(slot[r], r);
+  }
+  std::sort(written.begin(), written.end());
+  const auto twice = std::adjacent_find(written.begin(), written.end(),
+                                        [](const auto& a, const auto& b) { return a.first == b.first; });
+  SGLD_CHECK(twice == written.end(), op, "out_loc[", twice->second, "] and out_loc[", (twice + 1)->second,
+             "] are both slot ", twice->first, ": each slot may be written once per call");
 }
 
 }  // namespace sglang_dflash

@@ -54,6 +54,16 @@ at::Tensor gumbel_argmax_meta(const at::Tensor& scores, const std::optional<at::
   return at::empty({shape.rows}, scores.options().dtype(at::kLong));
 }
 
+// Nothing to infer (the op only writes its pools): FakeTensor runs the argument checks.
+void materialize_context_kv_meta(const at::Tensor& ctx, at::TensorList kv_weights,
+                                 std::optional<at::TensorList> kv_biases, at::TensorList k_norm_weights,
+                                 double /*eps*/, const at::Tensor& cos_sin_cache, bool /*is_neox*/,
+                                 const at::Tensor& positions, const at::Tensor& out_loc, at::TensorList k_caches,
+                                 at::TensorList v_caches, double /*v_scale*/) {
+  check_materialize_context_kv_args(ctx, kv_weights, kv_biases, k_norm_weights, cos_sin_cache, positions, out_loc,
+                                    k_caches, v_caches);
+}
+
 }  // namespace
 }  // namespace sglang_dflash
 
@@ -63,4 +73,5 @@ TORCH_LIBRARY_IMPL(sglang_dflash, Meta, m) {
   m.impl("verify_block_from_ids", &sglang_dflash::verify_block_from_ids_meta);
   m.impl("skinny_linear", &sglang_dflash::skinny_linear_meta);
   m.impl("gumbel_argmax", &sglang_dflash::gumbel_argmax_meta);
+  m.impl("materialize_context_kv", &sglang_dflash::materialize_context_kv_meta);
 }

@@ -20,6 +20,10 @@ TORCH_LIBRARY(sglang_dflash, m) {
       "Tensor bonus, Tensor out_tokens)");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("gumbel_argmax(Tensor scores, Tensor? ids, int seed, Tensor offsets, Tensor rows) -> Tensor");
+  m.def(
+      "materialize_context_kv(Tensor ctx, Tensor[] kv_weights, Tensor[]? kv_biases, Tensor[] k_norm_weights, "
+      "float eps, Tensor cos_sin_cache, bool is_neox, Tensor positions, Tensor out_loc, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, float v_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
@@ -28,6 +32,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
   m.impl("verify_block_from_ids", &sglang_dflash::cpu::verify_block_from_ids);
   m.impl("skinny_linear", &sglang_dflash::cpu::skinny_linear);
   m.impl("gumbel_argmax", &sglang_dflash::cpu::gumbel_argmax);
+  m.impl("materialize_context_kv", &sglang_dflash::cpu::materialize_context_kv);
 }
 
 // Importing sglang_dflash._C runs the registrations above; the module itself has no members.

@@ -15,9 +15,12 @@
 #   4. the torchvision matching the installed torch, `--no-deps` (SGLang imports
 #      torchvision.transforms while it loads its model configs);
 #   5. a pure-Python stand-in for `sgl_kernel` (the PyPI sglang-kernel is a 373 MB CUDA build that
-#      needs libcuda.so.1 to load): it implements, in plain torch, the four `*_cpu` index / KV-copy
-#      ops SGLang's CPU path imports from `sgl_kernel`, and resolves every other name (and every
-#      `sgl_kernel.<submodule>`) to a placeholder that raises NotImplementedError when called. A real sgl_kernel already in VENV is left alone.
+#      needs libcuda.so.1 to load), for what plain SGLang needs on a box without CUDA: the one
+#      `*_cpu` op its allocation calls, in plain torch; the speculative-path ops forward to
+#      torch.ops.sgl_kernel as the real wheel does (sglang-dflash's plugin registers them there, as
+#      it does on a stock `pip install sglang`); every other name (and every
+#      `sgl_kernel.<submodule>`) is a placeholder that raises NotImplementedError when called. A
+#      real sgl_kernel already in VENV is left alone.
 #
 # Nothing of SGLang is edited. The stand-ins are written by this script into VENV only.
 # Run SGLang on CPU with SGLANG_USE_CPU_ENGINE=1 (see docs/sglang.md). NEVER use this on a GPU
@@ -237,9 +240,11 @@ else
 scripts/install_sglang_cpu.sh; SGLANG_DFLASH_STANDIN). Not SGLang code.
 
 SGLang's CPU path imports a few `*_cpu` ops from `sgl_kernel` (a CPU build of sgl-kernel provides
-them as C++ kernels). This module gives plain-torch versions with the same arguments and
-semantics; any other name, and any `sgl_kernel.<submodule>`, resolves to a placeholder that raises
-NotImplementedError when called, so that modules which merely import it still load.
+them as C++ kernels). This module gives plain SGLang what it calls (assign_req_to_token_pool_cpu,
+in plain torch); the speculative-path ops forward to torch.ops.sgl_kernel as the real wheel's
+wrappers do, where sglang-dflash's plugin registers them. Any other name, and any
+`sgl_kernel.<submodule>`, resolves to a placeholder that raises NotImplementedError when called,
+so that modules which merely import it still load.
 """
 
 import importlib.abc
@@ -253,47 +258,31 @@ __version__ = "0.0.0+sglang-dflash-standin"
 SGLANG_DFLASH_STANDIN = True
 
 
-def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
-    """For every buffer i (a KV pool tensor whose data pointer is data_ptrs[i] and row stride in
-    bytes is strides[i]), copy row src_loc[j] to row tgt_loc[j] (all reads before writes)."""
-    import ctypes
+def _forward(name):
+    """As the real sgl_kernel wrappers do: call torch.ops.sgl_kernel.<name>. sglang-dflash's plugin
+    registers these speculative-path ops there on CPU servers (sglang_dflash/sglang/sgl_kernel_ops.py);
+    without the plugin SGLang refuses DFLASH on CPU anyway."""
 
-    ptrs = data_ptrs.tolist()
-    strd = strides.tolist()
-    src = src_loc.tolist()
-    tgt = tgt_loc.tolist()
-    for p, s in zip(ptrs, strd):
-        rows = [ctypes.string_at(p + b * s, s) for b in src]  # read all first: in-place safe
-        for a, row in zip(tgt, rows):
-            ctypes.memmove(p + a * s, row, s)
+    def op(*args):
+        return getattr(torch.ops.sgl_kernel, name)(*args)
+
+    op.__name__ = name
+    return op
 
 
-def _fill_ranges(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, write):
-    starts = start_offset.tolist()
-    ends = end_offset.tolist()
-    reqs = req_pool_indices.tolist()
-    pos = 0
-    for r, s, e in zip(reqs, starts, ends):
-        n = e - s
-        if n <= 0:
-            continue
-        if write:
-            req_to_token[r, s:e] = out_cache_loc[pos : pos + n].to(req_to_token.dtype)
-        else:
-            out_cache_loc[pos : pos + n] = req_to_token[r, s:e].to(out_cache_loc.dtype)
-        pos += n
+copy_all_layer_kv_cache_cpu = _forward("copy_all_layer_kv_cache_cpu")
+assign_extend_cache_locs_cpu = _forward("assign_extend_cache_locs_cpu")
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
                                  out_cache_loc, pool_len=None):
-    """req_to_token[req[i], start[i]:end[i]] = out_cache_loc[packed range of request i]."""
-    _fill_ranges(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, True)
-
-
-def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
-                                 out_cache_loc, pool_len=None):
-    """out_cache_loc[packed range of request i] = req_to_token[req[i], start[i]:end[i]]."""
-    _fill_ranges(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, False)
+    """req_to_token[req[i], start[i]:end[i]] = out_cache_loc[packed range of request i] (plain
+    SGLang's allocation calls this one, so it works without the plugin)."""
+    pos = 0
+    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
+        if e > s:
+            req_to_token[r, s:e] = out_cache_loc[pos : pos + e - s].to(req_to_token.dtype)
+            pos += e - s
 
 
 class _Missing:

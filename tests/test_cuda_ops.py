@@ -18,7 +18,7 @@ import torch
 
 from sglang_dflash import ops
 from sglang_dflash.ops import reference
-from sglang_dflash.ops.testing import make_attention_inputs, on_device
+from sglang_dflash.ops.testing import make_attention_inputs, make_context_kv_inputs, on_device
 
 pytestmark = pytest.mark.cuda
 
@@ -454,6 +454,87 @@ def test_verify_empty_batch():
 
 
 # ------------------------------------------------------------------------------------------------
+# materialize_context_kv
+
+
+def _context_kv_on(args: dict, device) -> dict:
+    """The op's arguments on `device`, views (weight row slices, padded pools) kept as views."""
+    moved = {}
+    for name, value in args.items():
+        if isinstance(value, torch.Tensor):
+            moved[name] = on_device({name: value}, device)[name]
+        elif isinstance(value, list):
+            moved[name] = list(on_device(dict(enumerate(value)), device).values())
+        else:
+            moved[name] = value
+    return moved
+
+
+CONTEXT_KV_CASES = [
+    # (N, H, L, Hkv, D, rotary_dim, ctx dtype), make_context_kv_inputs options
+    ((4, 576, 3, 3, 64, 64, torch.float16), dict()),  # the SmolLM2 drafter at decode
+    ((64, 4096, 5, 8, 128, 128, torch.bfloat16), dict(skip=20, index_dtype=torch.int32)),  # Qwen3-8B drafter, 4 x 16
+    ((37, 256, 2, 4, 128, 64, torch.bfloat16), dict(pool_dtype=torch.float32, is_neox=False, bias=True)),
+    ((9, 96, 2, 3, 64, 30, torch.float32), dict(pad=1, poison="sentinel")),  # strided, unaligned pools
+    ((300, 512, 3, 2, 80, 80, torch.float16), dict(pool_dtype=torch.bfloat16, cos_sin_dtype=torch.bfloat16)),
+    ((5, 64, 17, 1, 64, 64, torch.float32), dict(skip=2)),  # more layers than one launch takes
+    ((1, 64, 1, 1, 256, 2, torch.bfloat16), dict(is_neox=False)),
+]
+
+
+@pytest.mark.parametrize("shape,kwargs", CONTEXT_KV_CASES)
+def test_materialize_context_kv_matches_reference_and_cpu(shape, kwargs):
+    """Per (row, head) max error against the spec and the CPU twin; nothing else in the pools moves."""
+    from tests.test_ops_materialize_context_kv import TOLERANCE, assert_rows_close, check_against_reference
+
+    cpu_args = make_context_kv_inputs(*shape, seed=CONTEXT_KV_CASES.index((shape, kwargs)), **kwargs)
+    args = _context_kv_on(cpu_args, DEV)
+    _poison_allocator()
+    check_against_reference(args)
+    ops.materialize_context_kv(**cpu_args)
+    slots = cpu_args["out_loc"][cpu_args["out_loc"] >= 0].long()
+    tol = max(TOLERANCE[shape[-1]], TOLERANCE[cpu_args["k_caches"][0].dtype])
+    for gpu, cpu in zip(args["k_caches"] + args["v_caches"], cpu_args["k_caches"] + cpu_args["v_caches"], strict=True):
+        assert_rows_close(gpu.cpu()[slots], cpu[slots], tol)
+
+
+def _context_kv_cpu_grid():
+    try:
+        from tests.test_ops_materialize_context_kv import _grid_cases
+    except ImportError:  # run from elsewhere: the CPU grid is not importable
+        return []
+    return _grid_cases()
+
+
+@pytest.mark.parametrize("shape,kwargs", _context_kv_cpu_grid())
+def test_materialize_context_kv_cpu_test_grid(shape, kwargs):
+    from tests.test_ops_materialize_context_kv import check_against_reference
+
+    check_against_reference(_context_kv_on(make_context_kv_inputs(*shape, **kwargs), DEV))
+
+
+def test_materialize_context_kv_graph_capture():
+    """No host sync inside: capturable, and a replay reads the new contents of its inputs."""
+    from tests.test_ops_materialize_context_kv import check_against_reference
+
+    static = _context_kv_on(make_context_kv_inputs(8, 256, 2, 2, 128, 128, torch.bfloat16, seed=1, skip=2), DEV)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (cuBLAS handles, allocator) off the capture
+        ops.materialize_context_kv(**static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.materialize_context_kv(**static)
+    fresh = _context_kv_on(make_context_kv_inputs(8, 256, 2, 2, 128, 128, torch.bfloat16, seed=2, skip=3), DEV)
+    for name in ("ctx", "positions", "out_loc"):
+        static[name].copy_(fresh[name])
+    for pool in static["k_caches"] + static["v_caches"]:
+        pool.fill_(float("nan"))
+    check_against_reference(static, run=lambda **_: graph.replay())
+
+
+# ------------------------------------------------------------------------------------------------
 # Out-of-range indices trap on the device (in a child process: a trap ends the CUDA context).
 
 _TRAP_SCRIPT = textwrap.dedent(
@@ -462,7 +543,13 @@ _TRAP_SCRIPT = textwrap.dedent(
     from sglang_dflash import ops
     what = {what!r}
     dev = "cuda"
-    if what == "slot":
+    if what == "context_slot":
+        ctx = torch.randn(2, 64, device=dev)
+        k, v = [torch.zeros(5, 1, 64, device=dev)], [torch.zeros(5, 1, 64, device=dev)]
+        ops.materialize_context_kv(ctx, [torch.randn(128, 64, device=dev)], None, [torch.ones(64, device=dev)],
+                                   1e-6, torch.ones(4, 64, device=dev), True, torch.tensor([0, 1], device=dev),
+                                   torch.tensor([1, 5], device=dev), k, v)
+    elif what == "slot":
         q = torch.randn(4, 2, 64, device=dev, dtype=torch.bfloat16)
         kv = torch.randn(4, 1, 64, device=dev, dtype=torch.bfloat16)
         cache = torch.randn(10, 1, 64, device=dev, dtype=torch.bfloat16)
@@ -481,7 +568,7 @@ _TRAP_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("what", ["slot", "candidate"])
+@pytest.mark.parametrize("what", ["slot", "candidate", "context_slot"])
 def test_out_of_range_indices_trap(what):
     proc = subprocess.run(
         [sys.executable, "-c", _TRAP_SCRIPT.format(what=what)],

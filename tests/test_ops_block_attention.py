@@ -95,3 +95,32 @@ def test_meta_shapes_without_data():
     assert out.device.type == "meta" and out.shape == (8, 4, 64) and out.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="block_size"):
         ops.block_attention(**meta, block_size=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ctx,block,window,hq,hkv", [
+    (0, 4, -1, 9, 3), (61, 4, -1, 9, 3), (126, 8, -1, 4, 2), (300, 16, -1, 8, 1), (5, 3, -1, 2, 2),
+    (200, 8, 50, 4, 1), (70, 4, 3, 9, 3),
+])
+def test_a_verify_row_is_bitwise_the_decode_of_that_token(dtype, ctx, block, window, hq, hkv):
+    """Causal verify row i over (ctx tokens in the pool + the block) equals, bit for bit, decoding
+    that token with the i tokens before it already in the pool (B = 1, context ctx + i): the
+    kernel tiles keys by absolute position, so greedy speculative decoding through it cannot drift
+    from plain decoding through it."""
+    gen = torch.Generator().manual_seed(ctx * 31 + block)
+    d, n_slots = 64, ctx + block + 9
+    k_cache = torch.randn(n_slots, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(n_slots, hkv, d, generator=gen).to(dtype)
+    slots = torch.randperm(n_slots, generator=gen)[: ctx + block]
+    table = torch.full((2, ctx + block + 4), n_slots + 100, dtype=torch.int64)
+    table[1, : ctx + block] = slots
+    q = torch.randn(block, hq, d, generator=gen).to(dtype)
+    k_block, v_block = k_cache[slots[ctx:]], v_cache[slots[ctx:]]  # the block's K/V, also in the pool
+    pools = torch.tensor([1])
+    verify = ops.block_attention(q, k_block, v_block, k_cache, v_cache, table, pools, torch.tensor([ctx]), block,
+                                 sm_scale=0.125, window=window, causal_block=True)
+    for i in range(block):
+        decode = ops.block_attention(q[i : i + 1], k_block[i : i + 1], v_block[i : i + 1], k_cache, v_cache, table,
+                                     pools, torch.tensor([ctx + i]), 1, sm_scale=0.125, window=window,
+                                     causal_block=True)
+        assert torch.equal(verify[i], decode[0]), f"row {i}"

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "to_float.h"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
 #include "sglang_dflash/online_softmax.h"
@@ -145,12 +146,8 @@ void load_tile(Scratch& s, int64_t n, int64_t head_dim, KeyPtr key_ptr) {
     const scalar_t* k;
     const scalar_t* v;
     key_ptr(c, k, v);
-    float* k_row = s.k.data() + c * head_dim;
-    float* v_row = s.v.data() + c * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) {
-      k_row[d] = static_cast<float>(k[d]);
-      v_row[d] = static_cast<float>(v[d]);
-    }
+    to_float(k, s.k.data() + c * head_dim, head_dim);
+    to_float(v, s.v.data() + c * head_dim, head_dim);
   }
 }
 
@@ -199,27 +196,34 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
       std::fill(s.max.begin(), s.max.end(), -INFINITY);
       std::fill(s.sum.begin(), s.sum.end(), 0.0f);
 
-      // Context: block row i (position ctx + i) sees context token j when ctx + i - j < window.
+      // Keys by absolute position: context token j at j, block row c at ctx + c. Tiles cover
+      // kTile positions aligned to multiples of kTile, whatever the split between context and
+      // block, and a masked key adds an exact 0 to every sum: so a row's output is bitwise the same
+      // whether the tokens before it come from the cache (decode, B = 1) or from its own block
+      // (verify). Row i (position ctx + i) sees context token j when ctx + i - j < window.
       const int64_t first = p.window >= 1 ? std::max<int64_t>(0, ctx - p.window + 1) : 0;
-      for (int64_t t0 = first; t0 < ctx; t0 += kTile) {
-        const int64_t n = std::min(kTile, ctx - t0);
-        load_tile<scalar_t>(s, n, D, [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
-          const int64_t slot = static_cast<int64_t>(slots[t0 + c]);
-          k = kc_ptr + slot * k_cache.stride(0) + h * k_cache.stride(1);
-          v = vc_ptr + slot * v_cache.stride(0) + h * v_cache.stride(1);
-        });
-        attend_tile(s, p, n, /*masked=*/p.window >= 1, [&](int64_t i, int64_t c) {
-          return ctx + i - (t0 + c) < p.window;
-        });
-      }
-      // The block itself: row i sees row c unless causal (c > i) or outside the window.
-      load_tile<scalar_t>(s, B, D, [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
-        k = kb_ptr + (b * B + c) * k_block.stride(0) + h * k_block.stride(1);
-        v = vb_ptr + (b * B + c) * v_block.stride(0) + h * v_block.stride(1);
-      });
-      attend_tile(s, p, B, /*masked=*/p.causal_block || p.window >= 1, [&](int64_t i, int64_t c) {
+      const int64_t end = ctx + B;
+      auto visible = [&](int64_t i, int64_t pos) {
+        if (pos < ctx) return p.window < 1 || ctx + i - pos < p.window;
+        const int64_t c = pos - ctx;
         return !(p.causal_block && c > i) && (p.window < 1 || std::abs(i - c) < p.window);
-      });
+      };
+      for (int64_t t0 = first / kTile * kTile; t0 < end; t0 += kTile) {
+        const int64_t n = std::min(kTile, end - t0);
+        load_tile<scalar_t>(s, n, D, [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
+          const int64_t pos = t0 + c;
+          if (pos < ctx) {
+            const int64_t slot = static_cast<int64_t>(slots[pos]);
+            k = kc_ptr + slot * k_cache.stride(0) + h * k_cache.stride(1);
+            v = vc_ptr + slot * v_cache.stride(0) + h * v_cache.stride(1);
+          } else {
+            k = kb_ptr + (b * B + pos - ctx) * k_block.stride(0) + h * k_block.stride(1);
+            v = vb_ptr + (b * B + pos - ctx) * v_block.stride(0) + h * v_block.stride(1);
+          }
+        });
+        const bool masked = p.window >= 1 || t0 < first || (p.causal_block && t0 + n > ctx + 1);
+        attend_tile(s, p, n, masked, [&](int64_t i, int64_t c) { return visible(i, t0 + c); });
+      }
 
       for (int64_t i = 0; i < B; ++i) {
         for (int64_t g = 0; g < G; ++g) {

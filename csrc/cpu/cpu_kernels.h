@@ -30,4 +30,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor gumbel_argmax(const at::Tensor& scores, const std::optional<at::Tensor>& ids, int64_t seed,
                          const at::Tensor& offsets, const at::Tensor& rows);
 
+// Every draft layer's context K/V for N tokens, written into the layers' KV pools at out_loc
+// (DESIGN.md 3.4; sglang_dflash/ops/__init__.py has the contract).
+void materialize_context_kv(const at::Tensor& ctx, at::TensorList kv_weights,
+                            std::optional<at::TensorList> kv_biases, at::TensorList k_norm_weights,
+                            double eps, const at::Tensor& cos_sin_cache, bool is_neox,
+                            const at::Tensor& positions, const at::Tensor& out_loc, at::TensorList k_caches,
+                            at::TensorList v_caches, double v_scale);
+
 }  // namespace sglang_dflash::cpu

@@ -77,12 +77,13 @@ def load_draft(directory: str | Path, dtype: torch.dtype = torch.float32,
                                   f"{list(param.shape)}{hint}")
     model.load_state_dict(tensors)
     model = model.to(device=device, dtype=dtype).eval()
-    model.draft_vocab = _read_draft_vocab(directory, config.vocab_size, device)
+    model.draft_vocab = read_draft_vocab(directory, config.vocab_size, device)
     return model
 
 
-def _read_draft_vocab(directory: Path, vocab_size: int, device) -> torch.Tensor | None:
-    path = directory / DRAFT_VOCAB_NAME
+def read_draft_vocab(directory: Path, vocab_size: int, device) -> torch.Tensor | None:
+    """The draft vocabulary beside a checkpoint (int64 ids), None when it has none."""
+    path = Path(directory) / DRAFT_VOCAB_NAME
     if not path.exists():
         return None
     try:

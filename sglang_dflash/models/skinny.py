@@ -14,15 +14,40 @@ from torch import nn
 
 from sglang_dflash.ops import skinny_linear
 
-MAX_ROWS = 16  # above this the weight is reused enough for BLAS to win
+MAX_ROWS = 16  # above this the weight is reused enough for BLAS to win (fp32, bf16)
+CHUNK_ROWS = 128  # rows of x per kernel call: 128 x 1536 fp32 values still fit in L2
+
+
+def _few_enough_rows(x: torch.Tensor) -> bool:
+    # torch's CPU fp16 GEMM (no fp16 arithmetic on AVX2) runs 3-4x slower than skinny_linear at
+    # every row count bench/bench_ops.py measures (1-128 rows), so fp16 always takes the kernel.
+    return x.dtype == torch.float16 or x.numel() <= MAX_ROWS * x.shape[-1]
+
+
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `skinny_linear(x, weight, bias)` may replace F.linear: few rows (any number in
+    fp16) on the CPU, one dtype, a weight with contiguous rows, and nothing that needs autograd."""
+    return (x.device.type == "cpu" and _few_enough_rows(x) and x.dtype == weight.dtype
+            and weight.dim() == 2 and weight.stride(-1) == 1 and weight.device.type == "cpu"
+            and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """skinny_linear, CHUNK_ROWS rows of x at a time: the kernel keeps x (in fp32) in cache while
+    it streams the weight, which only holds for a bounded number of rows (an fp16 prefill)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows <= CHUNK_ROWS:
+        return skinny_linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    out = torch.cat([skinny_linear(chunk, weight, bias) for chunk in flat.split(CHUNK_ROWS)])
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through skinny_linear where that is faster and allowed."""
-    few_rows = x.numel() <= MAX_ROWS * x.shape[-1]
-    if (few_rows and x.device.type == "cpu" and x.dtype == weight.dtype and weight.stride(-1) == 1
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return skinny_linear(x, weight, bias)
+    if skinny_applies(x, weight, bias):
+        return skinny(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

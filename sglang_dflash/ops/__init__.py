@@ -6,11 +6,20 @@ ranges) and raises one ValueError naming the bad argument.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from sglang_dflash._extension import ops as _ops
 
-__all__ = ["block_attention", "gumbel_argmax", "skinny_linear", "verify_block", "verify_block_from_ids"]
+__all__ = [
+    "block_attention",
+    "gumbel_argmax",
+    "materialize_context_kv",
+    "skinny_linear",
+    "verify_block",
+    "verify_block_from_ids",
+]
 
 
 def block_attention(
@@ -105,3 +114,47 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          "(use torch.nn.functional.linear there)")
     return _ops().skinny_linear(x, weight, bias)
 
+
+
+def materialize_context_kv(
+    ctx: torch.Tensor,
+    kv_weights: Sequence[torch.Tensor],
+    kv_biases: Sequence[torch.Tensor] | None,
+    k_norm_weights: Sequence[torch.Tensor],
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor],
+    v_scale: float = 1.0,
+) -> None:
+    """Writes the draft context K/V of N committed tokens into every draft layer's KV pool, in one
+    call (DESIGN.md 3.4): for layer l and row i with out_loc[i] >= 0,
+
+        kv = ctx[i] @ kv_weights[l].T (+ kv_biases[l])   fp32 accumulation, rounded to ctx's dtype
+        k, v = kv[:Hkv*D], kv[Hkv*D:] as [Hkv, D]
+        k = k * rsqrt(mean(k**2 over D) + eps) * k_norm_weights[l]   per head, fp32 from here
+        k[:, :rotary_dim] = RoPE at positions[i]
+        k_caches[l][out_loc[i]] = k;  v_caches[l][out_loc[i]] = v * v_scale   (pool dtype)
+
+    ctx [N, H] (the caller has applied fc and hidden_norm); per layer kv_weights [2*Hkv*D, H] (that
+    layer's k_proj then v_proj rows, last dim contiguous: a row slice of SGLang's fused qkv_proj
+    weight), kv_biases [2*Hkv*D] or None, k_norm_weights [D]; these share ctx's float dtype (fp32,
+    bf16 or fp16). cos_sin_cache [P, rotary_dim] of any float dtype, SGLang's layout: row p holds
+    cos of the rotary_dim / 2 angles of position p, then their sin; rotary_dim even, in [2, D]. is_neox:
+    rotate-half pairs (j, j + rotary_dim/2), else interleaved pairs (2j, 2j + 1). positions [N] in
+    [0, P) and out_loc [N] in [-1, S), int32 or int64; out_loc -1 skips the row, and no slot may
+    appear twice (rejected on CPU; on CUDA the slot's contents are then undefined). k_caches /
+    v_caches: L pools [S, Hkv, D] of one float dtype (may differ from ctx's; Hkv, D, S are read from
+    them), written in place; nothing else in them changes. v_scale multiplies v (SGLang's
+    set_kv_buffer divides by its v_scale: pass 1 / that).
+
+    Bad arguments raise a ValueError naming them; on CUDA, out-of-range positions / out_loc stop the
+    kernel with a device-side trap instead (no host sync).
+    """
+    _ops().materialize_context_kv(
+        ctx, list(kv_weights), None if kv_biases is None else list(kv_biases), list(k_norm_weights), float(eps),
+        cos_sin_cache, bool(is_neox), positions, out_loc, list(k_caches), list(v_caches), float(v_scale),
+    )

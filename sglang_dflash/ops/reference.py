@@ -193,3 +193,52 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out = out + bias.double()
     return out.to(x.dtype)
 
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """Rotates x [..., rotary_dim] by angles with cos / sin [..., rotary_dim / 2]: pairs
+    (i, i + rotary_dim / 2) when is_neox (rotate-half), else (2i, 2i + 1) (interleaved)."""
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+def materialize_context_kv(
+    ctx: torch.Tensor,
+    kv_weights: list[torch.Tensor],
+    kv_biases: list[torch.Tensor] | None,
+    k_norm_weights: list[torch.Tensor],
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    v_scale: float = 1.0,
+) -> None:
+    """Writes every layer's context K/V of the rows with out_loc >= 0 into k_caches / v_caches.
+
+    Layer l: kv = ctx @ kv_weights[l].T (+ kv_biases[l]), accumulated in fp32 and rounded to ctx's
+    dtype (what a linear layer in that dtype returns); k, v = its two halves as [N, Hkv, D]. Then in
+    fp32: k = k * rsqrt(mean(k^2 over D) + eps) * k_norm_weights[l]; the first rotary_dim dims of k
+    rotated by the angles in row positions[i] of cos_sin_cache (cos half, then sin half);
+    v = v * v_scale. Row i goes to slot out_loc[i], converted to the pools' dtype.
+    """
+    heads, head_dim = k_caches[0].shape[1:]
+    half = cos_sin_cache.shape[1] // 2
+    write = out_loc >= 0
+    slots = out_loc[write].long()
+    cos_sin = cos_sin_cache[positions[write].long()].float()[:, None]  # [n, 1, rotary_dim]
+    cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+    x = ctx[write].float()
+    for layer, weight in enumerate(kv_weights):
+        bias = None if kv_biases is None else kv_biases[layer].float()
+        kv = torch.nn.functional.linear(x, weight.float(), bias).to(ctx.dtype).float()
+        k, v = kv.view(-1, 2, heads, head_dim).unbind(1)
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps) * k_norm_weights[layer].float()
+        k = torch.cat([rope(k[..., : 2 * half], cos, sin, is_neox), k[..., 2 * half :]], dim=-1)
+        k_caches[layer][slots] = k.to(k_caches[layer].dtype)
+        v_caches[layer][slots] = (v * v_scale).to(v_caches[layer].dtype)

@@ -62,3 +62,60 @@ def on_device(args: dict, device) -> dict:
             bases[id(base)] = base.to(device)
         out[name] = bases[id(base)].as_strided(t.shape, t.stride(), t.storage_offset())
     return out
+
+
+def sglang_cos_sin_cache(rotary_dim, max_positions, base=10000.0, dtype=torch.float32):
+    """RotaryEmbedding.cos_sin_cache as SGLang computes it: row p = cat(cos(p * f), sin(p * f)) with
+    f = 1 / base ** (arange(0, rotary_dim, 2) / rotary_dim)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+def make_context_kv_inputs(n, hidden, layers, kv_heads, head_dim, rotary_dim, dtype, pool_dtype=None, *, seed,
+                           bias=False, is_neox=True, index_dtype=torch.int64, skip=0, pad=0, poison="nan",
+                           cos_sin_dtype=torch.float32, eps=1e-6):
+    """Arguments of materialize_context_kv in the layouts SGLang hands them over.
+
+    Each layer's kv weight is the k/v row range of a fused qkv weight (2 * kv_heads q heads first),
+    scaled so projections are O(1). cos_sin_cache is SGLang's with P = n + 5 rows; positions are
+    random with the last row P - 1 used. out_loc: distinct shuffled slots of S = 2n + 7, `skip`
+    random rows -1. Pools are filled with `poison` ("nan", or random sentinel values otherwise) and
+    are views into bases with `pad` elements in front of every head vector (strided, unaligned).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    pool_dtype = pool_dtype or dtype
+    kv_rows = 2 * kv_heads * head_dim
+    q_rows = 2 * kv_heads * head_dim  # two q heads per kv head
+    scale = hidden**-0.5
+    kv_weights = [(torch.randn(q_rows + kv_rows, hidden, generator=gen) * scale).to(dtype)[q_rows:]
+                  for _ in range(layers)]
+    kv_biases = [(torch.randn(kv_rows, generator=gen) * 0.5).to(dtype) for _ in range(layers)] if bias else None
+    k_norm_weights = [(1 + 0.5 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in range(layers)]
+    max_positions = n + 5
+    positions = torch.randint(0, max_positions, (n,), generator=gen)
+    if n:
+        positions[torch.randint(0, n, (1,), generator=gen)] = max_positions - 1
+    slots = 2 * n + 7
+    out_loc = torch.randperm(slots, generator=gen)[:n]
+    out_loc[torch.randperm(n, generator=gen)[:skip]] = -1
+
+    def pool():
+        shape = (slots, kv_heads, pad + head_dim)
+        base = torch.full(shape, float("nan")) if poison == "nan" else torch.randn(shape, generator=gen)
+        return base.to(pool_dtype)[..., pad:]
+
+    return dict(
+        ctx=torch.randn(n, hidden, generator=gen).to(dtype),
+        kv_weights=kv_weights,
+        kv_biases=kv_biases,
+        k_norm_weights=k_norm_weights,
+        eps=eps,
+        cos_sin_cache=sglang_cos_sin_cache(rotary_dim, max_positions, dtype=cos_sin_dtype),
+        is_neox=is_neox,
+        positions=positions.to(index_dtype),
+        out_loc=out_loc.to(index_dtype),
+        k_caches=[pool() for _ in range(layers)],
+        v_caches=[pool() for _ in range(layers)],
+        v_scale=0.5 + torch.rand((), generator=gen).item(),
+    )

@@ -22,15 +22,29 @@ _ORIGINAL = "_sglang_dflash_original_forward"
 
 
 def covers(layer, forward_batch, q, k_cache) -> bool:
-    """Whether `paged_block_attention` computes what SGLang's backend would for this call."""
-    import torch
-
+    """Whether `paged_block_attention` computes what SGLang's backend would for this DFLASH
+    TARGET_VERIFY call."""
     mode = getattr(forward_batch, "forward_mode", None)
     algo = getattr(forward_batch, "spec_algorithm", None)
     if mode is None or not mode.is_target_verify() or algo is None or not algo.is_dflash():
         return False
     if getattr(getattr(forward_batch, "spec_info", None), "custom_mask", None) is not None:
         return False
+    return _layer_covered(layer, q, k_cache)
+
+
+def covers_decode(layer, forward_batch, q, k_cache) -> bool:
+    """Whether `paged_block_attention(..., decode=True)` computes this decode call (one new token
+    per request, attending to the request's earlier tokens in the pool)."""
+    mode = getattr(forward_batch, "forward_mode", None)
+    if mode is None or not mode.is_decode() or getattr(forward_batch, "encoder_lens", None) is not None:
+        return False
+    return _layer_covered(layer, q, k_cache)
+
+
+def _layer_covered(layer, q, k_cache) -> bool:
+    import torch
+
     if layer.is_cross_attention or getattr(layer, "logit_cap", 0.0) or layer.qk_head_dim != layer.v_head_dim:
         return False
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
@@ -45,9 +59,10 @@ def covers(layer, forward_batch, q, k_cache) -> bool:
 
 
 def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_token, swa_loc=None,
-                          save_kv_cache=True):
-    """One TARGET_VERIFY attention layer: writes the block's K/V to the pool (as SGLang's backends
-    do), then `block_attention` over context + block; returns [bs * B, Hq * D]."""
+                          save_kv_cache=True, decode=False):
+    """One TARGET_VERIFY attention layer (or, with `decode`, one decode layer: a causal block of
+    one row over the tokens before it): writes the block's K/V to the pool (as SGLang's backends
+    do), then `block_attention` over context + block; returns [rows, Hq * D]."""
     from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -62,7 +77,7 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
     n_rows = q3.shape[0]
     bs = int(forward_batch.req_pool_indices.shape[0])
     if bs == 0 or n_rows % bs:
-        raise RuntimeError(f"target-verify batch of {n_rows} rows does not split into {bs} equal blocks")
+        raise RuntimeError(f"attention batch of {n_rows} rows does not split into {bs} equal blocks")
     k_cache = kv_pool.get_key_buffer(layer.layer_id)
     v_cache = kv_pool.get_value_buffer(layer.layer_id)
     if k is None or v is None:  # K/V already in the pool: read the block rows back
@@ -72,6 +87,8 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
         k3, v3 = k, v
     sws = getattr(layer, "sliding_window_size", -1)
     window = sws + 1 if sws is not None and sws > -1 else -1  # SGLang: |q - k| <= sws
+    # A decode step's seq_lens count the new token, which is the block; TARGET_VERIFY's do not.
+    ctx_lens = forward_batch.seq_lens - 1 if decode else forward_batch.seq_lens
     out = block_attention(
         q3,
         k3.to(q3.dtype),
@@ -80,11 +97,11 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
         v_cache,
         req_to_token,
         forward_batch.req_pool_indices,
-        forward_batch.seq_lens,
+        ctx_lens,
         n_rows // bs,
         sm_scale=layer.scaling,
         window=window,
-        causal_block=layer.attn_type != AttentionType.ENCODER_ONLY,
+        causal_block=decode or layer.attn_type != AttentionType.ENCODER_ONLY,
     )
     return out.reshape(n_rows, hq * layer.v_head_dim)
 

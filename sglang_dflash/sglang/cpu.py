@@ -18,9 +18,22 @@ other device to SGLang:
    draft gets the target's embeddings that way): on CPU they keep the model's dtype (fp32 here).
 5. DFlashWorkerV2 calls `Tensor.record_stream` on its CPU tensors: a no-op there
    (`install_torch_cpu_shims`, installed by the worker on CPU).
+6. Batch-invariant decoding, on every CPU server with the plugin installed, plain decoding
+   included (`SGLANG_DFLASH_BATCH_INVARIANT=0` turns it off):
+   - linear layers and the LM head fed with few rows (every decode and verify step) run our
+     `skinny_linear` instead of `F.linear` / `torch.matmul`: each weight read once, fp32
+     accumulation, and each row's result bitwise independent of the other rows. fp32 and bf16
+     inputs of more than 16 rows (prefill) keep torch's GEMM; fp16 ones always take the kernel,
+     since torch's fp16 GEMM runs 3-4x slower on these CPUs (`models/skinny.py`);
+   - decode attention (`TorchNativeAttnBackend.forward_decode`) runs `block_attention` with a
+     block of one row, whose CPU kernel tiles keys by absolute position: a verify row's attention
+     is bitwise the decode of that token.
+   So a verify pass computes, for every token, exactly the numbers plain decoding computes one
+   token at a time: greedy DFLASH output equals the plain server's (with the plugin) token for
+   token, by construction, at any batch size or block size.
 
-The `*_cpu` index / copy ops SGLang's CPU path imports from `sgl_kernel` come from the stand-in
-that scripts/install_sglang_cpu.sh writes (or a CPU build of sgl-kernel).
+7. The `*_cpu` index / KV-copy ops SGLang's speculative path calls through `torch.ops.sgl_kernel`
+   are registered from our extension where this sgl-kernel lacks them (`sgl_kernel_ops.py`).
 
 Registered by `plugin.register()` only when SGLANG_USE_CPU_ENGINE=1 (SGLang's switch for CPU
 serving), so GPU processes never import this module.
@@ -30,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +52,11 @@ RESOLVE_DRAFT_BACKEND = "sglang.srt.arg_groups.speculative_hook._resolve_dflash_
 DRAFT_WORKER_BACKEND = "sglang.srt.speculative.draft_worker_common.resolve_draft_worker_attention_backend"
 EXTEND_KWARGS = "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs"
 TORCH_NATIVE_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
+TORCH_NATIVE_DECODE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode"
+UNQUANTIZED_LINEAR = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
+LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 CPU_DRAFT_BACKEND = "torch_native"
+ENV_BATCH_INVARIANT = "SGLANG_DFLASH_BATCH_INVARIANT"
 
 HOOKS = ()  # filled below: (target, hook) pairs, all AROUND
 
@@ -156,6 +174,62 @@ def _torch_native_extend_around(original, backend, q, k, v, layer, forward_batch
     )
 
 
+def _dense_weight(layer):
+    """The plain weight tensor of an unquantized layer (None for AMX-packed or wrapped weights)."""
+    import torch
+
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor) or getattr(layer, "use_intel_amx_backend", False):
+        return None
+    return weight
+
+
+def _unquantized_linear_around(original, method, layer, x, bias=None, *args, **kwargs):
+    from sglang_dflash.models.skinny import skinny, skinny_applies
+
+    weight = _dense_weight(layer)
+    if not args and not kwargs and weight is not None and skinny_applies(x, weight, bias):
+        return skinny(x, weight, bias)
+    return original(method, layer, x, bias, *args, **kwargs)
+
+
+# SGLang's unquantized LM head methods, less the AMX-packed one (PackWeightMethod).
+_PLAIN_HEAD_METHODS = ("NoneType", "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
+
+
+def _lm_head_around(original, processor, hidden_states, lm_head, embedding_bias=None, *args, **kwargs):
+    from sglang_dflash.models.skinny import skinny, skinny_applies
+
+    weight = _dense_weight(lm_head)
+    # LoRA heads, fp32-head options and quantized heads keep SGLang's path.
+    if (
+        not args
+        and embedding_bias is None
+        and kwargs.keys() <= {"out"}
+        and weight is not None
+        and not hasattr(lm_head, "apply_lora")
+        and not getattr(processor, "use_fp32_lm_head", False)
+        and getattr(processor, "rl_on_policy_target", None) is None
+        and type(getattr(lm_head, "quant_method", None)).__name__ in _PLAIN_HEAD_METHODS
+        and skinny_applies(hidden_states, weight)
+    ):
+        return skinny(hidden_states, weight)
+    return original(processor, hidden_states, lm_head, embedding_bias, *args, **kwargs)
+
+
+def _torch_native_decode_around(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
+    from sglang_dflash.sglang.attention import covers_decode, paged_block_attention
+
+    pool = backend.token_to_kv_pool
+    if kw or k is None or v is None or not covers_decode(layer, forward_batch, q,
+                                                           pool.get_key_buffer(layer.layer_id)):
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
+    return paged_block_attention(
+        q, k, v, layer, forward_batch, kv_pool=pool, req_to_token=backend.req_to_token_pool.req_to_token,
+        swa_loc=backend.swa_out_cache_loc, save_kv_cache=save_kv_cache, decode=True,
+    )
+
+
 HOOKS = (
     (HANDLE_DFLASH, _handle_dflash_around),
     (RESOLVE_DRAFT_BACKEND, _resolve_draft_backend_around),
@@ -192,8 +266,24 @@ def install_torch_cpu_shims() -> None:
     _torch_shims_installed = True
 
 
+# Batch-invariant decoding (item 6 of the module docstring): few-row linear layers and decode
+# attention through our kernels.
+BATCH_INVARIANT_HOOKS = (
+    (UNQUANTIZED_LINEAR, _unquantized_linear_around),
+    (LM_HEAD, _lm_head_around),
+    (TORCH_NATIVE_DECODE, _torch_native_decode_around),
+)
+
+
+def batch_invariant_enabled() -> bool:
+    return os.environ.get(ENV_BATCH_INVARIANT, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, hook in HOOKS:
+    from sglang_dflash.sglang.sgl_kernel_ops import register_missing
+
+    register_missing()
+    for target, hook in HOOKS + (BATCH_INVARIANT_HOOKS if batch_invariant_enabled() else ()):
         HookRegistry.register(target, hook, HookType.AROUND)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 
 import torch
 from sglang.srt.speculative import dflash_worker_v2 as _sgl_worker
@@ -135,6 +136,38 @@ class DFlashKernelWorker(DFlashWorkerV2):
         if draft_attention_wanted(self.device):
             n_layers = install_draft_attention(self)
             logger.info("sglang-dflash: %d draft attention layers run block_attention in TARGET_VERIFY", n_layers)
+        self._init_draft_vocab()
+        self._init_adaptive_block_size()
+
+    def _init_draft_vocab(self) -> None:
+        """The drafter's `draft_vocab.safetensors` (when its directory has one): drafts are picked
+        among those ids only, so the draft LM head reads K rows instead of the whole vocabulary.
+        Lossless: the target verifies every token."""
+        from sglang_dflash.models.checkpoint import read_draft_vocab
+
+        path = self.server_args.speculative_draft_model_path
+        vocab_size = int(self.model_runner.model_config.vocab_size)
+        self._draft_vocab = read_draft_vocab(path, vocab_size, self.device) if os.path.isdir(path) else None
+        self._draft_vocab_end = 0 if self._draft_vocab is None else int(self._draft_vocab.max()) + 1
+        self._draft_head: tuple | None = None  # (key of the LM head weight it was cut from, rows)
+        if self._draft_vocab is not None:
+            logger.info("sglang-dflash: drafts take the %d ids of %s/draft_vocab.safetensors (vocabulary %d)",
+                        self._draft_vocab.numel(), path, vocab_size)
+
+    def _init_adaptive_block_size(self) -> None:
+        from sglang_dflash.sglang.adaptive import AdaptiveBlockSize, adaptive_problem, adaptive_wanted
+
+        self._adaptive = None
+        if not adaptive_wanted():
+            return
+        problem = adaptive_problem(self)
+        if problem is not None:
+            logger.info("sglang-dflash: adaptive block size off: %s; every step runs B=%d", problem,
+                        self.block_size)
+            return
+        self._adaptive = AdaptiveBlockSize(self, int(self.block_size))
+        logger.info("sglang-dflash: adaptive block size on: each decode step runs B in 1..%d (%s=0 pins B)",
+                    self.block_size, "SGLANG_DFLASH_ADAPTIVE")
 
     def _check_draft_matches_target(self) -> None:
         """Refuse a drafter whose hidden size is not the target's, at startup, with a clear message.
@@ -161,6 +194,55 @@ class DFlashKernelWorker(DFlashWorkerV2):
             float(getattr(server_args, "speculative_accept_threshold_acc", 1.0) or 1.0),
         )
         self._dflash_logged = False
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        run = super().forward_batch_generation
+        if (
+            self._adaptive is None
+            or batch.forward_mode.is_extend()
+            or batch.is_extend_in_batch
+            or batch.forward_mode.is_idle()
+            or _sgl_worker.SIMULATE_ACC_LEN > 0
+        ):
+            return run(batch, *args, **kwargs)
+        return self._adaptive.run_step(len(batch.seq_lens), lambda: run(batch, *args, **kwargs))
+
+    def _greedy_sample_from_vocab_parallel_head(self, *, hidden_states, lm_head, chunk_size: int = 256):
+        rows = self._draft_head_rows(lm_head)
+        if rows is None:
+            return super()._greedy_sample_from_vocab_parallel_head(
+                hidden_states=hidden_states, lm_head=lm_head, chunk_size=chunk_size
+            )
+        from sglang_dflash.models.skinny import linear
+
+        logits = linear(hidden_states.to(rows.dtype), rows)
+        return self._draft_vocab[logits.max(-1).indices]
+
+    def _draft_head_rows(self, lm_head) -> torch.Tensor | None:
+        """The target LM head's rows of the draft vocabulary (a contiguous copy, re-cut when the
+        weight changes), or None where the whole head must be used: no draft vocabulary, or a
+        head that is sharded (TP), quantized or too small for the ids."""
+        weight = getattr(lm_head, "weight", None)
+        if (
+            self._draft_vocab is None
+            or not isinstance(weight, torch.Tensor)
+            or weight.dim() != 2
+            or weight.dtype not in _LOGIT_DTYPES
+            or self._tp_size() > 1
+            or self._draft_vocab_end > weight.shape[0]
+        ):
+            return None
+        key = (weight.data_ptr(), weight._version, weight.dtype)
+        if self._draft_head is None or self._draft_head[0] != key:
+            self._draft_head = (key, weight.detach()[self._draft_vocab].contiguous())
+        return self._draft_head[1]
+
+    def _tp_size(self) -> int:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_group.world_size)
 
     # -- decisions -------------------------------------------------------------------------
 

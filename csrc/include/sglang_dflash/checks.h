@@ -66,4 +66,29 @@ struct LinearShape {
 LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias);
 
+struct ContextKvShape {
+  int64_t rows;           // N
+  int64_t layers;         // L
+  int64_t kv_heads;       // Hkv (from the pools)
+  int64_t head_dim;       // D (from the pools)
+  int64_t rotary_dim;     // cos_sin_cache.shape[1]
+  int64_t max_positions;  // P = cos_sin_cache.shape[0]
+  int64_t slots;          // S (from the pools)
+};
+
+// materialize_context_kv: ctx [N, H] and per layer kv_weights [2*Hkv*D, H], kv_biases [2*Hkv*D]
+// (optional), k_norm_weights [D], all of ctx's float dtype; cos_sin_cache [P, rotary_dim] any float
+// dtype; positions / out_loc [N] int32 or int64; k_caches / v_caches [S, Hkv, D] of one float dtype.
+// Everything on ctx's device (no reads of tensor data).
+ContextKvShape check_materialize_context_kv_args(const at::Tensor& ctx, at::TensorList kv_weights,
+                                                 const std::optional<at::TensorList>& kv_biases,
+                                                 at::TensorList k_norm_weights, const at::Tensor& cos_sin_cache,
+                                                 const at::Tensor& positions, const at::Tensor& out_loc,
+                                                 at::TensorList k_caches, at::TensorList v_caches);
+
+// Index values of materialize_context_kv: positions in [0, P), out_loc in [-1, S) with no slot
+// twice. Reads the index tensors, so only for CPU tensors.
+void check_materialize_context_kv_indices(const at::Tensor& positions, const at::Tensor& out_loc,
+                                          const ContextKvShape& shape);
+
 }  // namespace sglang_dflash

@@ -1,0 +1,166 @@
+"""Adaptive block size in the served DFLASH worker: each decode step picks its block size.
+
+The choice is the engine's (`sglang_dflash.engine.block_size.BlockSizeController`): per batch
+size, the block size b (1 = a plain target step) with the most expected tokens per second, from
+live per-position acceptance and measured step times. This module only makes SGLang's worker run
+a step at a size other than the one it was built for.
+
+`DFlashWorkerV2` sizes its draft-block buffers, block position offsets, the draft forward's spec
+info and its accept buffers by `block_size` once; every step then reads them through `self`.
+`BlockSizeStates` keeps one such set per block size and swaps the step's set in (a few attribute
+assignments). The scheduler reads the step's block size from the result
+(`speculative_num_draft_tokens`), and KV slots are reserved for the largest size, so smaller
+blocks need nothing else. The output never depends on the block size: every step is a lossless
+verify.
+
+Used only where nothing in SGLang bakes the block size in: on CPU (on GPUs the CUDA graphs are
+captured per size), without overlap scheduling, no selector / LiLiCorr / Domino / convolution drafters, no compact draft
+window cache (`adaptive_problem` says which applies).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import time
+
+import torch
+
+from sglang_dflash.engine.block_size import BlockSizeController
+
+logger = logging.getLogger(__name__)
+
+ENV_ADAPTIVE = "SGLANG_DFLASH_ADAPTIVE"
+META_INFO_KEY = "dflash_block_size"  # meta_info: the block size of every verify step of a request
+
+# DFlashWorkerV2 attributes that depend on the block size (sglang 0.5.23, dflash_worker_v2.py).
+PER_BLOCK_SIZE_STATE = (
+    "block_size",
+    "speculative_num_draft_tokens",
+    "_block_pos_offsets",
+    "_draft_block_spec_info",
+    "_draft_block_ids_buf",
+    "_draft_block_positions_buf",
+    "_draft_block_tokens_buf",
+    "_draft_verify_out_cache_loc_buf",
+    "_draft_block_end_buf",
+    "_draft_seq_lens_cpu_buf",
+    "_accept_bonus_buffer_cap",
+    "_accept_len_buf",
+    "_commit_lens_bufs",
+    "_bonus_id_bufs",
+    "_out_tokens_bufs",
+    "_new_seq_lens_bufs",
+)
+
+
+def adaptive_wanted() -> bool:
+    """On unless `SGLANG_DFLASH_ADAPTIVE=0` pins the block size (`adaptive_problem` still has the
+    last word)."""
+    return os.environ.get(ENV_ADAPTIVE, "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def adaptive_problem(worker) -> str | None:
+    """Why this worker cannot change its block size per step (None: it can)."""
+    missing = [name for name in PER_BLOCK_SIZE_STATE if not hasattr(worker, name)]
+    if missing:
+        return f"this SGLang's DFLASH worker lacks {missing}"
+    if torch.device(worker.device).type != "cpu":
+        return "on GPUs the draft and verify CUDA graphs are captured for one block size"
+    if not _overlap_disabled():
+        return "overlap scheduling prepares the next step before this one's block size is known"
+    for name in ("selector", "lilicorr"):
+        if getattr(worker, name, None) is not None:
+            return f"the drafter has a {name}"
+    if getattr(worker, "_is_domino", False):
+        return "Domino drafters roll out a fixed block"
+    if getattr(worker, "use_compact_draft_cache", False):
+        return "the compact draft window cache is sized per block"
+    for layer in getattr(worker.draft_model, "layers", ()):
+        if getattr(layer, "attention_conv", None) is not None or getattr(layer, "mlp_conv", None) is not None:
+            return "the drafter's convolutions are built for one block size"
+    return None
+
+
+def _overlap_disabled() -> bool:
+    from sglang.srt.runtime_context import get_schedule
+
+    return bool(get_schedule().disable_overlap_schedule)
+
+
+class BlockSizeStates:
+    """One set of the worker's block-size-dependent attributes per block size."""
+
+    def __init__(self, worker):
+        self._worker = worker
+        self._saved: dict[int, dict] = {}
+
+    def use(self, block_size: int) -> None:
+        """Make `block_size` the worker's current block size."""
+        worker = self._worker
+        current = int(worker.block_size)
+        if block_size == current:
+            return
+        self._saved[current] = {name: getattr(worker, name) for name in PER_BLOCK_SIZE_STATE}
+        state = self._saved.get(block_size) or self._fresh(block_size)
+        for name, value in state.items():
+            setattr(worker, name, value)
+
+    def _fresh(self, block_size: int) -> dict:
+        from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
+
+        device = self._worker.device
+        state = dict.fromkeys(PER_BLOCK_SIZE_STATE)  # buffers: allocated by the worker on first use
+        state.update(
+            block_size=block_size,
+            speculative_num_draft_tokens=block_size,
+            _block_pos_offsets=build_block_pos_offsets(length=block_size, device=device),
+            _draft_block_spec_info=make_draft_block_spec_info(draft_token_num=block_size, device=device),
+            _accept_bonus_buffer_cap=0,
+            _commit_lens_bufs=[],
+            _bonus_id_bufs=[],
+            _out_tokens_bufs=[],
+            _new_seq_lens_bufs=[],
+        )
+        return state
+
+
+class AdaptiveBlockSize:
+    """Chooses each decode step's block size, runs the step at it, and learns from the result."""
+
+    def __init__(self, worker, max_block_size: int, log_every_s: float = 30.0):
+        self.controller = BlockSizeController(max_block_size)
+        self.states = BlockSizeStates(worker)
+        self.log_every_s = log_every_s
+        self._chosen: collections.Counter = collections.Counter()  # (batch size, block size) -> steps
+        self._last_log = -math.inf
+
+    def run_step(self, batch_size: int, step):
+        """`step()` runs one decode step at the chosen block size; returns its result."""
+        block_size = self.controller.choose(batch_size)
+        self.states.use(block_size)
+        start = time.perf_counter()
+        result = step()
+        seconds = time.perf_counter() - start
+        accepted = (result.accept_lens.to("cpu", torch.int64) - 1).tolist()
+        self.controller.observe(block_size, accepted, seconds)
+        self._report(result, batch_size, block_size)
+        return result
+
+    def _report(self, result, batch_size: int, block_size: int) -> None:
+        logits_output = getattr(result, "logits_output", None)
+        if logits_output is not None:
+            info = dict(getattr(logits_output, "customized_info", None) or {})
+            info[META_INFO_KEY] = [block_size] * batch_size
+            logits_output.customized_info = info
+        self._chosen[batch_size, block_size] += 1
+        now = time.monotonic()
+        if now - self._last_log >= self.log_every_s:
+            self._last_log = now
+            chosen = ", ".join(f"batch {bs}: B={b} x{n}" for (bs, b), n in sorted(self._chosen.items()))
+            expected = " ".join(f"{e:.2f}" for e in self.controller.expected_tokens())
+            logger.info("sglang-dflash: adaptive block size, steps since the last report: %s (expected tokens "
+                        "per step at B=1..%d: %s)", chosen, self.controller.max_block_size, expected)
+            self._chosen.clear()
