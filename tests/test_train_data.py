@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from sglang_dflash.data import gsm8k_path
 from sglang_dflash.engine.packaged import packaged_model_dir
 from sglang_dflash.train.data import iter_records, load_examples, to_conversation, tokenize
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = gsm8k_path("train")
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import time
+import types
 
 import torch
 
@@ -33,7 +34,7 @@ from sglang_dflash.engine.block_size import BlockSizeController
 logger = logging.getLogger(__name__)
 
 ENV_ADAPTIVE = "SGLANG_DFLASH_ADAPTIVE"
-META_INFO_KEY = "dflash_block_size"  # meta_info: the block size of every verify step of a request
+META_INFO_KEY = "dflash_block_size"  # meta_info: per output token, the block size of its step
 
 # DFlashWorkerV2 attributes that depend on the block size (sglang 0.5.23, dflash_worker_v2.py).
 PER_BLOCK_SIZE_STATE = (
@@ -127,34 +128,58 @@ class BlockSizeStates:
         return state
 
 
+def skip_draft_forward_at_block_size_one(worker) -> None:
+    """A step of block size 1 drafts nothing (the block is the anchor alone): its draft forward,
+    whose only output would be the block's hidden states, is replaced by an empty result of that
+    shape. The draft pool needs nothing from it either: the anchor's context K/V are written after
+    the verify, as for every committed token."""
+    runner = worker.draft_model_runner
+    original = runner.forward
+
+    def forward(forward_batch, *args, **kwargs):
+        if int(worker.block_size) == 1 and forward_batch.forward_mode.is_target_verify():
+            hidden = torch.empty((int(forward_batch.batch_size), int(worker.draft_model.config.hidden_size)),
+                                 dtype=worker.draft_model_runner.dtype, device=forward_batch.input_ids.device)
+            return types.SimpleNamespace(logits_output=types.SimpleNamespace(hidden_states=hidden),
+                                         can_run_graph=False)
+        return original(forward_batch, *args, **kwargs)
+
+    runner.forward = forward
+
+
 class AdaptiveBlockSize:
     """Chooses each decode step's block size, runs the step at it, and learns from the result."""
 
     def __init__(self, worker, max_block_size: int, log_every_s: float = 30.0):
         self.controller = BlockSizeController(max_block_size)
         self.states = BlockSizeStates(worker)
+        skip_draft_forward_at_block_size_one(worker)
         self.log_every_s = log_every_s
         self._chosen: collections.Counter = collections.Counter()  # (batch size, block size) -> steps
         self._last_log = -math.inf
 
-    def run_step(self, batch_size: int, step):
-        """`step()` runs one decode step at the chosen block size; returns its result."""
+    def run_step(self, reqs: list, step):
+        """`step()` runs one decode step of `reqs` at the chosen block size; returns its result."""
+        batch_size = len(reqs)
         block_size = self.controller.choose(batch_size)
         self.states.use(block_size)
         start = time.perf_counter()
         result = step()
         seconds = time.perf_counter() - start
-        accepted = (result.accept_lens.to("cpu", torch.int64) - 1).tolist()
-        self.controller.observe(block_size, accepted, seconds)
-        self._report(result, batch_size, block_size)
+        commits = result.accept_lens.to("cpu", torch.int64).tolist()
+        self.controller.observe(block_size, [n - 1 for n in commits], seconds)
+        self._report(reqs, commits, block_size)
         return result
 
-    def _report(self, result, batch_size: int, block_size: int) -> None:
-        logits_output = getattr(result, "logits_output", None)
-        if logits_output is not None:
-            info = dict(getattr(logits_output, "customized_info", None) or {})
-            info[META_INFO_KEY] = [block_size] * batch_size
-            logits_output.customized_info = info
+    def _report(self, reqs: list, commits: list[int], block_size: int) -> None:
+        for req, n in zip(reqs, commits, strict=True):
+            # One entry per output token, as SGLang slices customized_info by token (streaming too):
+            # 0 for tokens that came from the prefill, else the block size of the step that
+            # committed it. The tokens of this step are not in req.output_ids yet.
+            info = req.customized_info if req.customized_info is not None else {}
+            info.setdefault(META_INFO_KEY, [0] * len(req.output_ids)).extend([block_size] * n)
+            req.customized_info = info
+        batch_size = len(reqs)
         self._chosen[batch_size, block_size] += 1
         now = time.monotonic()
         if now - self._last_log >= self.log_every_s:

@@ -50,6 +50,7 @@ _SAMPLE_SITE = "DFLASH_ACCEPT_SAMPLE"
 _SEED_MIX = 0x9E3779B97F4A7C15 - (1 << 64)
 _ROW_BITS, _REQUEST_BITS, _STEP_PERIOD = 16, 20, 1 << 27
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CPU_KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype values our CPU kernels take
 
 
 def unseeded_offsets(step: int, bs: int, device) -> torch.Tensor:
@@ -128,9 +129,13 @@ class DFlashKernelWorker(DFlashWorkerV2):
         self._check_draft_matches_target()
         self._init_dflash_kernels(self.server_args)
         if torch.device(self.device).type == "cpu":
+            from sglang_dflash.sglang import sgl_kernel_ops
             from sglang_dflash.sglang.cpu import install_torch_cpu_shims
 
             install_torch_cpu_shims()
+            if sgl_kernel_ops.registered:
+                logger.info("sglang-dflash: this sgl-kernel lacks torch.ops.sgl_kernel.%s; ours serve them",
+                            ", ".join(sgl_kernel_ops.registered))
         from sglang_dflash.sglang.attention import draft_attention_wanted, install_draft_attention
 
         if draft_attention_wanted(self.device):
@@ -138,6 +143,9 @@ class DFlashKernelWorker(DFlashWorkerV2):
             logger.info("sglang-dflash: %d draft attention layers run block_attention in TARGET_VERIFY", n_layers)
         self._init_draft_vocab()
         self._init_adaptive_block_size()
+        from sglang_dflash.sglang.context_kv import ContextKVWriter
+
+        self._context_kv = ContextKVWriter.for_worker(self)
 
     def _init_draft_vocab(self) -> None:
         """The drafter's `draft_vocab.safetensors` (when its directory has one): drafts are picked
@@ -170,19 +178,25 @@ class DFlashKernelWorker(DFlashWorkerV2):
                     self.block_size, "SGLANG_DFLASH_ADAPTIVE")
 
     def _check_draft_matches_target(self) -> None:
-        """Refuse a drafter whose hidden size is not the target's, at startup, with a clear message.
-
-        The draft reads the target's embeddings and its outputs go through the target's lm_head,
-        so the sizes must agree; SGLang itself only notices at the first request.
-        """
-        target_hidden = getattr(getattr(self.model_runner, "model_config", None), "hidden_size", None)
+        """Refuse, at startup and with one message naming the flag, a configuration that cannot
+        work: a drafter whose hidden size or vocabulary is not the target's (the draft reads the
+        target's embeddings and its outputs go through the target's LM head; SGLang itself only
+        notices at the first request, or never), or on CPU a KV cache dtype our kernels refuse."""
+        target_config = getattr(self.model_runner, "model_config", None)
         draft_config = getattr(self.draft_model, "config", None)
-        draft_hidden = getattr(draft_config, "hidden_size", None)
-        if target_hidden is not None and draft_hidden is not None and int(draft_hidden) != int(target_hidden):
+        draft_path = self.server_args.speculative_draft_model_path
+        for field in ("hidden_size", "vocab_size"):
+            ours, theirs = getattr(draft_config, field, None), getattr(target_config, field, None)
+            if ours is not None and theirs is not None and int(ours) != int(theirs):
+                raise ValueError(
+                    f"--speculative-draft-model-path {draft_path}: the drafter's {field} {ours} does not match "
+                    f"the target's {theirs}; the drafter must be trained for this target"
+                )
+        kv_dtype = str(getattr(self.server_args, "kv_cache_dtype", "auto"))
+        if torch.device(self.device).type == "cpu" and kv_dtype not in _CPU_KV_DTYPES:
             raise ValueError(
-                f"DFLASH drafter hidden size {draft_hidden} does not match the target's hidden size "
-                f"{target_hidden} ({self.server_args.speculative_draft_model_path}): the drafter must be "
-                "trained for this target"
+                f"--kv-cache-dtype {kv_dtype}: DFLASH on CPU runs sglang-dflash's attention kernels, which take "
+                f"{', '.join(_CPU_KV_DTYPES)} KV caches"
             )
 
     def _init_dflash_kernels(self, server_args) -> None:
@@ -207,11 +221,20 @@ class DFlashKernelWorker(DFlashWorkerV2):
             or _sgl_worker.SIMULATE_ACC_LEN > 0
         ):
             return run(batch, *args, **kwargs)
-        return self._adaptive.run_step(len(batch.seq_lens), lambda: run(batch, *args, **kwargs))
+        return self._adaptive.run_step(batch.reqs, lambda: run(batch, *args, **kwargs))
+
+    def _append_target_hidden_to_draft_kv_by_loc(self, *, target_hidden, cache_loc, positions, cache_loc_2d=None,
+                                                 commit_lens=None, extend_lens=None):
+        if self._context_kv is None or target_hidden is None or getattr(self, "lilicorr", None) is not None:
+            return super()._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=target_hidden, cache_loc=cache_loc, positions=positions, cache_loc_2d=cache_loc_2d,
+                commit_lens=commit_lens, extend_lens=extend_lens,
+            )
+        self._context_kv.write(target_hidden, cache_loc, positions, cache_loc_2d, commit_lens)
 
     def _greedy_sample_from_vocab_parallel_head(self, *, hidden_states, lm_head, chunk_size: int = 256):
         rows = self._draft_head_rows(lm_head)
-        if rows is None:
+        if rows is None or hidden_states.numel() == 0:
             return super()._greedy_sample_from_vocab_parallel_head(
                 hidden_states=hidden_states, lm_head=lm_head, chunk_size=chunk_size
             )

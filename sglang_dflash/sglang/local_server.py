@@ -1,0 +1,162 @@
+"""SGLang servers as child processes on 127.0.0.1, for the CPU-server tests and the serving
+benchmark: `python -m sglang.launch_server` with this package's plugin active.
+
+Standard library only: whoever imports this (pytest collection, a benchmark's client) must not pay
+for importing SGLang or torch; the server processes do that themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from importlib import metadata
+from pathlib import Path
+
+EP_GROUP = "sglang.srt.plugins"
+EP_VALUE = "sglang_dflash.sglang.plugin:register"
+# The directory that holds the sglang_dflash package: put first on the servers' PYTHONPATH so they
+# import this copy of it.
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(tmp_dir: Path, **overrides: str) -> dict:
+    """The environment of a CPU server with the plugin active, then `overrides` on top.
+
+    SGLang finds plugins through entry points only; when this package runs from a source tree
+    whose entry point is not installed, a minimal dist-info declaring it is written under
+    `tmp_dir` and put on PYTHONPATH."""
+    path = [str(PACKAGE_PARENT)]
+    if not any(ep.value == EP_VALUE for ep in metadata.entry_points(group=EP_GROUP)):
+        dist = Path(tmp_dir) / "ep" / "sglang_dflash_entry_point-0.0.0.dist-info"
+        dist.mkdir(parents=True, exist_ok=True)
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-dflash-entry-point\nVersion: 0.0.0\n")
+        (dist / "entry_points.txt").write_text(f"[{EP_GROUP}]\nsglang_dflash = {EP_VALUE}\n")
+        path.insert(0, str(dist.parent))
+    env = dict(os.environ)
+    # Switches inherited from the caller's shell would silently change what is measured or tested.
+    for var in ("SGLANG_DFLASH_DISABLE", "SGLANG_DFLASH_STRICT", "SGLANG_PLUGINS"):
+        env.pop(var, None)
+    env.update(
+        PYTHONPATH=os.pathsep.join(path + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        SGLANG_USE_CPU_ENGINE="1",
+        # SGLang otherwise waits for a CUDA core dump before a crashed server exits.
+        SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    env.update(overrides)
+    return env
+
+
+def launch_args(model_path: Path, port: int, *, draft: Path | None = None, extra=()) -> list[str]:
+    """`python -m sglang.launch_server` on CPU at 127.0.0.1:port; DFLASH with `draft` when given."""
+    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--device", "cpu",
+            "--host", "127.0.0.1", "--port", str(port)]
+    if draft is not None:
+        args += ["--speculative-algorithm", "dflash", "--speculative-draft-model-path", str(draft)]
+    return args + list(extra)
+
+
+class LocalServer:
+    """One server process, in a session of its own (so its scheduler and detokenizer children can be
+    found and killed as a group), its output in `log_path`."""
+
+    def __init__(self, name: str, args: list[str], env: dict, log_path: Path):
+        self.name, self.log = name, Path(log_path)
+        self.port = int(args[args.index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log_file = open(self.log, "wb")
+        self.proc = subprocess.Popen(args, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until /health_generate answers (a real forward pass), or raise with the log's tail when the
+        process exits or time.time() passes `deadline`."""
+        started = time.time()
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} server exited ({self.proc.returncode}):\n{self.text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"{self.name} server not ready after {time.time() - started:.0f} s:\n"
+                           f"{self.text()[-4000:]}")
+
+    def _request(self, path: str, body: dict) -> urllib.request.Request:
+        return urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"})
+
+    def post(self, path: str, body: dict, timeout: float = 120):
+        """POST `body` as JSON; the decoded JSON answer, or its text when it is not JSON (e.g.
+        /flush_cache)."""
+        with urllib.request.urlopen(self._request(path, body), timeout=timeout) as r:
+            raw = r.read()
+            if r.headers.get_content_type() == "application/json":
+                return json.loads(raw)
+            return raw.decode(errors="replace")
+
+    def stream_generate(self, body: dict, timeout: float = 600) -> tuple[dict, list[tuple[float, int]]]:
+        """POST /generate with "stream": true and read its server-sent events up to `data: [DONE]`.
+
+        Returns the last chunk (SGLang's non-incremental stream: the whole output so far and its
+        meta_info) and, per chunk, (seconds since the request was sent, completion_tokens so far),
+        from which time to first token and per-token times follow. `timeout` bounds the whole
+        request (and each wait for a chunk)."""
+        start = time.perf_counter()
+        final, arrivals = None, []
+        with urllib.request.urlopen(self._request("/generate", dict(body, stream=True)), timeout=timeout) as r:
+            for line in r:
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[len(b"data:"):].strip()
+                if payload == b"[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise RuntimeError(f"{self.name}: {chunk['error']}")
+                arrivals.append((time.perf_counter() - start, chunk["meta_info"]["completion_tokens"]))
+                final = chunk
+                if arrivals[-1][0] > timeout:
+                    raise TimeoutError(f"{self.name}: request still streaming after {timeout} s")
+        if final is None:
+            raise RuntimeError(f"{self.name}: the stream ended without a chunk")
+        return final, arrivals
+
+    def stop(self, timeout: float = 60) -> int | None:
+        """SIGTERM to the server's main process; its process group is killed only if it has not
+        exited within `timeout`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log_file.close()
+        return self.proc.returncode
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False

@@ -1,0 +1,130 @@
+"""Real weights through real SGLang servers on CPU: SmolLM2-135M-Instruct (the packaged GGUF,
+converted) as the target and the shipped DFlash drafter, served by `python -m sglang.launch_server`
+with SGLang's defaults (its auto dtype makes this fp32 checkpoint fp16).
+
+With the plugin, CPU decoding is batch invariant (few-row linears through skinny_linear, decode
+and verify attention through block_attention, which tiles keys by absolute position): a verify row
+computes exactly what decoding that token alone computes. So greedy DFLASH output must equal the
+plain server's token for token, one request at a time and concurrently, whatever block sizes the
+adaptive controller picks. The two servers run one after the other (never together: an idle
+SGLang scheduler keeps a core busy). Needs SGLang (scripts/install_sglang_cpu.sh); ~3 minutes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import time
+import urllib.error
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("SGLang is not installed (scripts/install_sglang_cpu.sh VENV installs it beside the package)",
+                allow_module_level=True)
+
+from sglang_dflash.data import gsm8k_path
+from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
+from sglang_dflash.engine.packaged import packaged_model_dir
+from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_args, server_env
+
+pytestmark = pytest.mark.slow
+
+STARTUP_TIMEOUT = 600
+MAX_NEW_TOKENS = 64
+CODE_PROMPTS = [
+    "Write a Python function `is_prime(n)` that returns True when n is a prime number.",
+    "Complete this function:\n\ndef running_mean(xs):\n    \"\"\"Return the list of running means of xs.\"\"\"\n",
+]
+
+
+def _prompts(target: Path) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    questions = [json.loads(line)["question"] for line in gsm8k_path("test").open()][:2] + CODE_PROMPTS
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in questions]
+
+
+def _generate(server: LocalServer, text: str, max_new_tokens=MAX_NEW_TOKENS, **sampling) -> dict:
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens, **sampling}
+    return server.post("/generate", {"text": text, "sampling_params": params}, timeout=300)
+
+
+def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list[str]) -> dict:
+    """Starts a server, sends the requests, stops it; returns what it answered and its log."""
+    server = LocalServer(name, launch_args(target, free_port(), draft=draft, extra=["--max-total-tokens", "4096"]),
+                         server_env(tmp, OMP_NUM_THREADS="2"), tmp / f"{name}.log")
+    try:
+        server.wait_ready(time.time() + STARTUP_TIMEOUT)
+        alone = [_generate(server, p) for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: _generate(server, p, max_new_tokens=40), prompts))
+        bad = []
+        for sampling in ({"temperature": -1.0}, {"top_p": 2.0}):
+            try:
+                _generate(server, prompts[0], max_new_tokens=4, **sampling)
+                bad.append(None)
+            except urllib.error.HTTPError as exc:
+                bad.append(exc.code)
+        after_bad = _generate(server, prompts[0], max_new_tokens=8)
+        return dict(alone=alone, together=together, bad=bad, after_bad=after_bad, log=server.text())
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("smollm2_servers")
+    target, draft = packaged_model_dir("smollm2-135m"), resolve_draft(SHIPPED_DRAFTER)
+    prompts = _prompts(target)
+    plain = _serve("plain", target, None, tmp, prompts)
+    dflash = _serve("dflash", target, draft, tmp, prompts)
+    return plain, dflash
+
+
+def test_greedy_dflash_equals_plain_decoding_token_for_token(runs):
+    plain, dflash = runs
+    for ours, theirs in zip(dflash["alone"] + dflash["together"], plain["alone"] + plain["together"], strict=True):
+        assert ours["output_ids"] == theirs["output_ids"]
+        assert ours["meta_info"]["completion_tokens"] == theirs["meta_info"]["completion_tokens"]
+
+
+def test_the_shipped_drafter_commits_more_than_one_token_per_step(runs):
+    _, dflash = runs
+    steps = sum(r["meta_info"]["spec_verify_ct"] for r in dflash["alone"])
+    tokens = sum(r["meta_info"]["completion_tokens"] for r in dflash["alone"])
+    assert tokens / steps >= 1.5, (tokens, steps)
+
+
+def test_each_steps_block_size_is_in_meta_info_and_the_log(runs):
+    _, dflash = runs
+    for r in dflash["alone"] + dflash["together"]:
+        sizes = r["meta_info"]["dflash_block_size"]  # per output token: the block size of its step
+        assert len(sizes) == r["meta_info"]["completion_tokens"]
+        assert sizes[0] == 0 and all(1 <= b <= 8 for b in sizes[1:])  # the first token is the prefill's
+    log = dflash["log"]
+    assert "sglang-dflash: adaptive block size on: each decode step runs B in 1..8" in log
+    assert "sglang-dflash: adaptive block size, steps since the last report: batch 1: B=" in log
+
+
+def test_the_served_drafter_uses_our_kernels_and_its_draft_vocabulary(runs):
+    plain, dflash = runs
+    log = dflash["log"]
+    assert "sglang-dflash: drafts take the 16384 ids of" in log
+    assert "sglang-dflash: draft context K/V of 3 layers through materialize_context_kv" in log
+    assert "sglang-dflash: 3 draft attention layers run block_attention in TARGET_VERIFY" in log
+    # The stand-in sgl_kernel, like the PyPI wheel, has no torch.ops.sgl_kernel CPU ops: ours serve.
+    assert "this sgl-kernel lacks torch.ops.sgl_kernel.copy_all_layer_kv_cache_cpu" in log
+    assert "DFlashKernelWorker" not in plain["log"]
+    for text in (log, plain["log"]):
+        assert "Traceback" not in text
+
+
+def test_bad_sampling_parameters_get_an_error_response_and_the_server_keeps_serving(runs):
+    for run in runs:
+        assert all(code == 400 for code in run["bad"]), run["bad"]
+        assert run["after_bad"]["meta_info"]["completion_tokens"] == 8
