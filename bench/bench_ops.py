@@ -42,6 +42,12 @@ ATTENTION_SHAPES = [
     # the shipped SmolLM2 drafter at B 4 (12 query rows per kv head)
     (1, 4, 9, 3, 64, 150, torch.bfloat16),
     (1, 4, 9, 3, 64, 600, torch.bfloat16),
+    # served SmolLM2 target (SGLang's default dtype for it: fp16 pools): a B 4 verify at 1 and 8
+    # requests, and plain decoding (B 1) at 8
+    (1, 4, 9, 3, 64, 300, torch.float16),
+    (8, 4, 9, 3, 64, 300, torch.float16),
+    (8, 1, 9, 3, 64, 300, torch.float16),
+    (1, 4, 9, 3, 64, 300, torch.bfloat16),
 ]
 # (bs, B, V, temperature, drafts); "agree": every draft matches, so every row is read (worst
 # case); "random": drafts almost surely wrong, so only row 0 of each request is read.
@@ -59,6 +65,12 @@ LINEAR_SHAPES = [
     (4, 1536, 576, 30, torch.float32),
     (8, 1536, 576, 30, torch.float32),
     (7, 49152, 576, 1, torch.bfloat16),
+    # served SmolLM2 in fp16 (SGLang's default for it on CPU): decode (1 row), a B 4 verify, 8
+    # requests' verify rows; torch's fp16 GEMM is the baseline a server without the plugin runs
+    (1, 1536, 576, 30, torch.float16),
+    (4, 1536, 576, 30, torch.float16),
+    (32, 1536, 576, 30, torch.float16),
+    (4, 49152, 576, 1, torch.float16),
 ]
 
 
