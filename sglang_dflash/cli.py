@@ -72,14 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def demo(args: argparse.Namespace) -> int:
+def _torch_setup(args: argparse.Namespace) -> str:
+    """Applies --threads (>= 1) and returns the device (--device, else cuda when available)."""
     import torch
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def demo(args: argparse.Namespace) -> int:
     from sglang_dflash.demo import run_demo
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _torch_setup(args)
     return run_demo(args.target, args.draft, args.block_size, args.max_new_tokens, device)
 
 
@@ -109,14 +116,10 @@ def add_regenerate_parser(sub) -> None:
 
 
 def regenerate(args: argparse.Namespace) -> int:
-    import torch
-
     from sglang_dflash.engine import HFTarget
     from sglang_dflash.train.regenerate import MAX_BATCH_TOKENS, regenerate_dataset
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _torch_setup(args)
     target = HFTarget.from_pretrained(args.target, device=device)
     count = regenerate_dataset(target, args.data, args.out, tuple(args.target_layer_ids), args.max_new_tokens,
                                args.limit, args.temperature, args.seed, args.batch_size, args.skip,
@@ -169,17 +172,13 @@ def add_train_parser(sub) -> None:
 
 
 def train(args: argparse.Namespace) -> int:
-    import torch
-
     from sglang_dflash.train.run import train_drafter
     from sglang_dflash.train.trainer import TrainConfig
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = _torch_setup(args)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     cfg = TrainConfig(**overrides)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     history = train_drafter(args.target, args.data, cfg, max_len=args.max_len, limit=args.limit,
                             held_out=args.held_out, regenerate_answers=args.regenerate,
                             regen_temperature=args.regen_temperature, feature_cache=args.feature_cache,
@@ -198,9 +197,13 @@ def generate(args: argparse.Namespace) -> int:
 
     if not args.prompt and not args.prompt_ids:
         raise ValueError("give at least one --prompt or --prompt-ids")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.block_size is not None and args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size} (omit it for the drafter's)")
+    # Checked before any model loads.
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens,
+                            stop_token_ids=None if args.stop_token_ids is None else tuple(args.stop_token_ids))
+    device = _torch_setup(args)
     target = HFTarget.from_pretrained(args.target, device=device, cache_dir=args.cache_dir)
     if args.draft:
         drafter = DFlashDrafter(load_draft(resolve_draft(args.draft), dtype=getattr(torch, args.draft_dtype),
@@ -208,9 +211,6 @@ def generate(args: argparse.Namespace) -> int:
         block_size = args.block_size or drafter.max_block_size
     else:
         drafter, block_size = NoDrafter(), args.block_size or 1
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens,
-                            stop_token_ids=None if args.stop_token_ids is None else tuple(args.stop_token_ids))
     results = Generator(target, drafter, block_size, adaptive=args.adaptive).generate(
         args.prompt + args.prompt_ids, params, chat=not args.no_chat_template)
 

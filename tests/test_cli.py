@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from sglang_dflash.models import save_draft
 from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, smollm2, tiny_target
 
@@ -55,3 +57,18 @@ def test_bad_draft_path_is_one_clear_error(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"sglang-dflash: error: draft checkpoint directory not found: {tmp_path / 'missing'}")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--temperature", "nan"], "temperature must be finite and >= 0 (0: greedy), got nan"),
+    (["--temperature", "-1"], "temperature must be finite and >= 0 (0: greedy), got -1.0"),
+    (["--top-k", "-2"], "top_k must be >= 0 (0: off), got -2"),
+    (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+    (["--block-size", "0"], "--block-size must be >= 1, got 0 (omit it for the drafter's)"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+])
+def test_bad_generate_flags_are_one_clear_error_before_any_model_loads(flags, message):
+    # The target does not exist: a check that ran after loading would report that instead.
+    proc = run_cli("--target", "/nonexistent/target", "--prompt-ids", "1,2", *flags)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == f"sglang-dflash: error: {message}"

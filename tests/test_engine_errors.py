@@ -43,6 +43,20 @@ def test_bad_generation_inputs(target):
         SamplingParams(top_p=0.0)
 
 
+@pytest.mark.parametrize("fields,message", [
+    (dict(temperature=float("nan")), "temperature must be finite and >= 0"),
+    (dict(temperature=float("inf")), "temperature must be finite and >= 0"),
+    (dict(temperature=-1.0), "temperature must be finite and >= 0"),
+    (dict(top_k=-1), "top_k must be >= 0"),
+    (dict(top_p=float("nan")), "top_p must be in"),
+    (dict(top_p=1.5), "top_p must be in"),
+])
+def test_sampling_params_refuse_values_that_would_decode_silently_wrong(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9)  # and take good ones
+
+
 def test_missing_target_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         HFTarget.from_pretrained(tmp_path)

@@ -12,6 +12,7 @@ step's block size is chosen by a `BlockSizeController` (block_size.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import torch
@@ -34,7 +35,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:  # also refuses NaN
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 

@@ -24,7 +24,7 @@ other device to SGLang:
      `skinny_linear` instead of `F.linear` / `torch.matmul`: each weight read once, fp32
      accumulation, and each row's result bitwise independent of the other rows. fp32 and bf16
      inputs of more than 16 rows (prefill) keep torch's GEMM; fp16 ones always take the kernel,
-     since torch's fp16 GEMM runs 3-4x slower on these CPUs (`models/skinny.py`);
+     since torch's fp16 GEMM is slower on these CPUs at every row count (`models/skinny.py`);
    - decode attention (`TorchNativeAttnBackend.forward_decode`) runs `block_attention` with a
      block of one row, whose CPU kernel tiles keys by absolute position: a verify row's attention
      is bitwise the decode of that token.
