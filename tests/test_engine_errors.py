@@ -60,3 +60,5 @@ def test_sampling_params_refuse_values_that_would_decode_silently_wrong(fields, 
 def test_missing_target_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         HFTarget.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nor is it a packaged model: .*smollm2-135m"):
+        HFTarget.from_pretrained("smollm2-13m")  # a typo of a packaged name

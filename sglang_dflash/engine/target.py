@@ -57,7 +57,8 @@ class HFTarget:
             path = packaged_model_dir(str(path), cache_dir)
         path = Path(path)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"target model directory {path} has no config.json")
+            raise FileNotFoundError(f"target model directory {path} has no config.json (nor is it a packaged "
+                                    f"model: {', '.join(sorted(PACKAGED_MODELS))})")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
         return cls(model, AutoTokenizer.from_pretrained(path) if has_tokenizer else None)
