@@ -2,8 +2,11 @@
 
 A subclass of SGLang's `DFlashWorkerV2` (sglang/srt/speculative/dflash_worker_v2.py) that keeps
 everything of SGLang's DFLASH (argument handling, hidden-state capture, KV sizing, overlap
-scheduling, TP, CUDA graphs) and overrides one seam, `_accept_block`, with our `verify_block`
-kernels (DESIGN.md section 3.2):
+scheduling, TP, CUDA graphs). Its seams: `forward_batch_generation` (the adaptive block size,
+adaptive.py), `_greedy_sample_from_vocab_parallel_head` (drafts among the drafter's draft
+vocabulary), `_append_target_hidden_to_draft_kv_by_loc` (context K/V through
+`materialize_context_kv`, context_kv.py), and `_accept_block`, with our `verify_block` kernels
+(DESIGN.md section 3.2):
 
 - greedy with the target's argmax ids (SGLang's deferred-argmax path): `verify_block_from_ids`;
 - greedy with logits: `verify_block` at temperature 0, i.e. the argmax fused into the accept scan
@@ -155,7 +158,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
 
         path = self.server_args.speculative_draft_model_path
         vocab_size = int(self.model_runner.model_config.vocab_size)
-        self._draft_vocab = read_draft_vocab(path, vocab_size, self.device) if os.path.isdir(path) else None
+        self._draft_vocab = read_draft_vocab(path, vocab_size, self.device) if path and os.path.isdir(path) else None
         self._draft_vocab_end = 0 if self._draft_vocab is None else int(self._draft_vocab.max()) + 1
         self._draft_head: tuple | None = None  # (key of the LM head weight it was cut from, rows)
         if self._draft_vocab is not None:
