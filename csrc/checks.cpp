@@ -57,23 +57,19 @@ void check_rows_of_vectors(const char* op, const char* name, const at::Tensor& t
              t.strides());
 }
 
-// (min, max) of an index tensor's values in one pass; the tensor must be non-empty.
+// (min, max) of an index tensor's values in one pass; the tensor must be non-empty. CPU tensors are
+// scanned in place: these checks run on every op call (once per attention layer in a served step),
+// where aminmax's dispatch and two item() reads cost more than the scan itself.
 std::pair<int64_t, int64_t> value_range(const at::Tensor& t) {
-  const auto [lo, hi] = at::aminmax(t);
-  return {lo.item<int64_t>(), hi.item<int64_t>()};
-}
-
-// (min, max) of table[row, :n] of a CPU int32 / int64 table, read in place (no tensor ops).
-std::pair<int64_t, int64_t> cpu_value_range(const at::Tensor& table, int64_t row, int64_t n) {
-  return AT_DISPATCH_INDEX_TYPES(table.scalar_type(), "cpu_value_range", [&] {
-    const index_t* p = table.data_ptr<index_t>() + row * table.stride(0);
-    const int64_t step = table.stride(1);
-    int64_t lo = p[0], hi = p[0];
-    for (int64_t j = 1; j < n; ++j) {
-      lo = std::min<int64_t>(lo, p[j * step]);
-      hi = std::max<int64_t>(hi, p[j * step]);
-    }
-    return std::pair<int64_t, int64_t>{lo, hi};
+  if (!t.is_cpu()) {
+    const auto [lo, hi] = at::aminmax(t);
+    return {lo.item<int64_t>(), hi.item<int64_t>()};
+  }
+  const auto c = t.contiguous();
+  return AT_DISPATCH_INDEX_TYPES(c.scalar_type(), "value_range", [&] {
+    const index_t* p = c.const_data_ptr<index_t>();
+    const auto [lo, hi] = std::minmax_element(p, p + c.numel());
+    return std::pair<int64_t, int64_t>{*lo, *hi};
   });
 }
 
@@ -165,10 +161,9 @@ void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& 
     SGLD_CHECK(len[b] >= 0 && len[b] <= width, op, "ctx_lens[", b, "] = ", len[b],
                " is out of range [0, ", width, "] (req_to_token width)");
     if (len[b] == 0) continue;
-    // Only the rows in use: SGLang's table is [max requests, context length], far larger than
+    // Only the entries in use: SGLang's table is [max requests, context length], far larger than
     // what one step reads, and this runs once per attention layer.
-    const auto [lo, hi] = req_to_token.is_cpu() ? cpu_value_range(req_to_token, pool[b], len[b])
-                                                : value_range(req_to_token[pool[b]].narrow(0, 0, len[b]));
+    const auto [lo, hi] = value_range(req_to_token[pool[b]].narrow(0, 0, len[b]));
     SGLD_CHECK(lo >= 0 && hi < n_slots, op, "req_to_token[", pool[b], ", :", len[b],
                "] holds slot ids in [", lo, ", ", hi, "], outside the KV cache's [0, ", n_slots,
                ")");

@@ -1,7 +1,8 @@
 // CPU block attention (DESIGN.md 3.1). One task per (request, kv head): the B x G query rows that
 // share a kv head are processed together, so every context K/V tile is gathered and converted to
-// fp32 once and reused by all of them. The context streams through in tiles with an online
-// softmax; the block's own K/V are the last tile. Buffers are allocated once per thread chunk.
+// fp32 once and reused by all of them. Keys (context, then the block's own K/V) stream through in
+// tiles of absolute positions with an online softmax, so a verify row computes bit for bit what
+// decoding its token alone computes. Buffers are allocated once per thread chunk.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
