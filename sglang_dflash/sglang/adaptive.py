@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import os
 import time
 import types
 
@@ -60,7 +59,9 @@ PER_BLOCK_SIZE_STATE = (
 def adaptive_wanted() -> bool:
     """On unless `SGLANG_DFLASH_ADAPTIVE=0` pins the block size (`adaptive_problem` still has the
     last word)."""
-    return os.environ.get(ENV_ADAPTIVE, "").strip().lower() not in ("0", "false", "no", "off")
+    from sglang_dflash.sglang.plugin import env_switch
+
+    return env_switch(ENV_ADAPTIVE) is not False
 
 
 def adaptive_problem(worker) -> str | None:
@@ -139,7 +140,7 @@ def skip_draft_forward_at_block_size_one(worker) -> None:
     def forward(forward_batch, *args, **kwargs):
         if int(worker.block_size) == 1 and forward_batch.forward_mode.is_target_verify():
             hidden = torch.empty((int(forward_batch.batch_size), int(worker.draft_model.config.hidden_size)),
-                                 dtype=worker.draft_model_runner.dtype, device=forward_batch.input_ids.device)
+                                 dtype=runner.dtype, device=forward_batch.input_ids.device)
             return types.SimpleNamespace(logits_output=types.SimpleNamespace(hidden_states=hidden),
                                          can_run_graph=False)
         return original(forward_batch, *args, **kwargs)
@@ -179,8 +180,7 @@ class AdaptiveBlockSize:
             info = req.customized_info if req.customized_info is not None else {}
             info.setdefault(META_INFO_KEY, [0] * len(req.output_ids)).extend([block_size] * n)
             req.customized_info = info
-        batch_size = len(reqs)
-        self._chosen[batch_size, block_size] += 1
+        self._chosen[len(reqs), block_size] += 1
         now = time.monotonic()
         if now - self._last_log >= self.log_every_s:
             self._last_log = now

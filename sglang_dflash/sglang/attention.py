@@ -13,7 +13,6 @@ over the draft runner's pool; every other call, and every case it does not cover
 from __future__ import annotations
 
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +108,10 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
 def draft_attention_wanted(device) -> bool:
     """On CPU by default (`SGLANG_DFLASH_DRAFT_ATTENTION=0` turns it off); on CUDA only with
     `SGLANG_DFLASH_DRAFT_ATTENTION=1` until it is validated against SGLang's GPU backends."""
-    flag = os.environ.get(ENV_DRAFT_ATTENTION, "").strip().lower()
-    if flag in ("0", "false", "no", "off"):
-        return False
-    if flag in ("1", "true", "yes", "on"):
-        return True
-    return str(device).startswith("cpu")
+    from sglang_dflash.sglang.plugin import env_switch
+
+    wanted = env_switch(ENV_DRAFT_ATTENTION)
+    return str(device).startswith("cpu") if wanted is None else wanted
 
 
 def install_draft_attention(worker) -> int:

@@ -32,8 +32,9 @@ other device to SGLang:
    token at a time: greedy DFLASH output equals the plain server's (with the plugin) token for
    token, by construction, at any batch size or block size.
 
-7. The `*_cpu` index / KV-copy ops SGLang's speculative path calls through `torch.ops.sgl_kernel`
-   are registered from our extension where this sgl-kernel lacks them (`sgl_kernel_ops.py`).
+The `*_cpu` index / KV-copy ops SGLang's speculative path calls through `torch.ops.sgl_kernel` are
+registered from our extension, where this sgl-kernel lacks them, by the worker on CPU
+(`sgl_kernel_ops.py`).
 
 Registered by `plugin.register()` only when SGLANG_USE_CPU_ENGINE=1 (SGLang's switch for CPU
 serving), so GPU processes never import this module.
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
@@ -276,14 +276,13 @@ BATCH_INVARIANT_HOOKS = (
 
 
 def batch_invariant_enabled() -> bool:
-    return os.environ.get(ENV_BATCH_INVARIANT, "1").strip().lower() not in ("0", "false", "no", "off")
+    from sglang_dflash.sglang.plugin import env_switch
+
+    return env_switch(ENV_BATCH_INVARIANT) is not False
 
 
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_dflash.sglang.sgl_kernel_ops import register_missing
-
-    register_missing()
     for target, hook in HOOKS + (BATCH_INVARIANT_HOOKS if batch_invariant_enabled() else ()):
         HookRegistry.register(target, hook, HookType.AROUND)

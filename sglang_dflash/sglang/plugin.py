@@ -40,8 +40,19 @@ class IncompatibleSGLangError(RuntimeError):
     """The installed SGLang does not have what sglang-dflash's worker relies on."""
 
 
+def env_switch(name: str) -> bool | None:
+    """An on/off environment switch: True for 1/true/yes/on, False for 0/false/no/off, None when it
+    is unset (or says neither), so each caller picks its own default."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_switch(name) is True
 
 
 def is_disabled() -> bool:

@@ -7,8 +7,8 @@ the PyPI wheel is a CUDA build. Without them a DFLASH CPU server dies at its fir
 
 `register_missing()` defines each op SGLang calls under its own name, with a CPU kernel from our
 extension (csrc/cpu/sgl_kernel_compat.cpp), when and only when `torch.ops.sgl_kernel` lacks it: a
-real sgl-kernel CPU build keeps its own. Called by the plugin on CPU servers, in every SGLang
-process before logging is set up; the worker logs `registered` once it runs.
+real sgl-kernel CPU build keeps its own. Called by the DFLASH worker on CPU, in the scheduler
+process (the only one that runs the speculative path), before SGLang's worker is built.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ SCHEMAS = {
 }
 
 _library = None  # the torch.library fragment holding what we registered (kept alive)
-registered: list[str] = []  # what register_missing() registered in this process
 
 
 def _has_op(name: str) -> bool:
@@ -64,5 +63,4 @@ def register_missing() -> list[str]:
     for name in missing:
         _library.define(name + SCHEMAS[name])
         _library.impl(name, getattr(ours, "sgl_kernel_" + name), "CPU")
-        registered.append(name)
     return missing

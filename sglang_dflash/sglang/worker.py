@@ -128,17 +128,22 @@ class DFlashKernelWorker(DFlashWorkerV2):
     """SGLang's DFlashWorkerV2 with `_accept_block` running sglang-dflash's verify kernels."""
 
     def __init__(self, *args, **kwargs):
+        from sglang.srt.utils import is_cpu
+
+        if is_cpu():  # before SGLang's worker is built: nothing of it may call a missing op
+            from sglang_dflash.sglang.sgl_kernel_ops import register_missing
+
+            registered = register_missing()
+            if registered:
+                logger.info("sglang-dflash: this sgl-kernel lacks torch.ops.sgl_kernel.%s; ours serve them",
+                            ", ".join(registered))
         super().__init__(*args, **kwargs)
         self._check_draft_matches_target()
         self._init_dflash_kernels(self.server_args)
         if torch.device(self.device).type == "cpu":
-            from sglang_dflash.sglang import sgl_kernel_ops
             from sglang_dflash.sglang.cpu import install_torch_cpu_shims
 
             install_torch_cpu_shims()
-            if sgl_kernel_ops.registered:
-                logger.info("sglang-dflash: this sgl-kernel lacks torch.ops.sgl_kernel.%s; ours serve them",
-                            ", ".join(sgl_kernel_ops.registered))
         from sglang_dflash.sglang.attention import draft_attention_wanted, install_draft_attention
 
         if draft_attention_wanted(self.device):
