@@ -115,7 +115,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _ops().skinny_linear(x, weight, bias)
 
 
-
 def materialize_context_kv(
     ctx: torch.Tensor,
     kv_weights: Sequence[torch.Tensor],

@@ -194,7 +194,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.to(x.dtype)
 
 
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
     """Rotates x [..., rotary_dim] by angles with cos / sin [..., rotary_dim / 2]: pairs
     (i, i + rotary_dim / 2) when is_neox (rotate-half), else (2i, 2i + 1) (interleaved)."""
