@@ -21,22 +21,20 @@ dataset).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gzip
 import importlib.metadata
 import json
-import os
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
+from provenance import run_info
 from tqdm import tqdm
 
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine import DFlashDrafter, HFTarget, SamplingParams
 from sglang_dflash.engine.compare import compare
+from sglang_dflash.engine.packaged import model_dir
 from sglang_dflash.models import load_draft
 from sglang_dflash.train.code_prompts import complete_function_prompt
 
@@ -132,8 +130,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = HFTarget.from_pretrained(args.target)
-    draft = load_draft(resolve_draft(args.draft), dtype=getattr(torch, args.draft_dtype))
+    target_dir, draft_dir = model_dir(args.target), resolve_draft(args.draft)
+    info = run_info({"target": target_dir, "draft": draft_dir})  # before the run loads the machine
+    target = HFTarget.from_pretrained(target_dir)
+    draft = load_draft(draft_dir, dtype=getattr(torch, args.draft_dtype))
     drafter = DFlashDrafter(draft, target)
     block_sizes = [b for b in args.block_sizes if b <= draft.config.block_size]
     adaptive = [b for b in args.adaptive if b <= draft.config.block_size]
@@ -159,11 +159,7 @@ def main() -> None:
               f"{r['draft_ms_per_step']:7.1f} {r['plain_step_ms']:13.1f} {str(r['identical_to_plain']):>7s}")
     out = args.out or ROOT / "bench" / "results" / f"e2e_{Path(args.target).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    out.write_text(json.dumps(dict(device=f"CPU {platform.machine()}, {os.cpu_count()} cores",
-                                   threads=torch.get_num_threads(), date=datetime.date.today().isoformat(),
-                                   commit=commit, target=args.target, draft=str(args.draft),
+    out.write_text(json.dumps(dict(provenance=info, target=args.target, draft=str(args.draft),
                                    draft_dtype=args.draft_dtype, max_new_tokens=args.max_new_tokens, cases=rows),
                               indent=2))
     for path in [out, *plot(rows, out.with_suffix(""))]:

@@ -14,13 +14,11 @@ layers, so they stream from memory as in a decode step rather than sitting in ca
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -28,6 +26,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from provenance import run_info  # noqa: E402  (this script's folder)
 
 from sglang_dflash import ops  # noqa: E402
 from sglang_dflash.ops import reference  # noqa: E402
@@ -144,6 +144,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="first shape of each op, few repeats")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_ops.json"))
     opts = parser.parse_args()
+    info = run_info({})  # random weights; collected before the run loads the machine
     repeats = 3 if opts.quick else 10
     jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
@@ -161,11 +162,7 @@ def main():
         flops += f"   {row['roofline_pct']:5.1f}% of roofline" if "roofline_pct" in row else ""
         print(f"{row['op']:16s} {shape}\n    kernel {row['kernel_ms']:9.2f} ms   {row.get('baseline', 'reference')} "
               f"{row['reference_ms']:9.2f} ms   ratio {row['ratio']:6.1f}x   {row['kernel_GBps']:6.1f} GB/s{flops}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(__file__)).stdout.strip()
-    result = dict(device=f"CPU {platform.machine()}, {os.cpu_count()} cores", threads=torch.get_num_threads(),
-                  copy_GBps=bandwidth / 1e9,
-                  date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__, cases=rows)
+    result = dict(provenance=info, copy_GBps=bandwidth / 1e9, cases=rows)
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
     with open(opts.out, "w") as f:
         json.dump(result, f, indent=2)

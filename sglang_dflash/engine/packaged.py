@@ -116,6 +116,12 @@ def _convert(gguf: Path, dest: Path) -> None:
         f.chmod(0o644)
 
 
+def model_dir(name_or_path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """The converted directory of a packaged model when given its name, else the path as given."""
+    name = str(name_or_path)
+    return packaged_model_dir(name, cache_dir) if name in PACKAGED_MODELS else Path(name_or_path)
+
+
 def packaged_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
     """Directory of a converted packaged model (config, safetensors, tokenizer); builds it the
     first time. `cache_dir` defaults to $SGLANG_DFLASH_CACHE or ~/.cache/sglang_dflash."""

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sglang_dflash.engine import grouped_attention
 from sglang_dflash.engine.kv_cache import GrowingCache
-from sglang_dflash.engine.packaged import PACKAGED_MODELS, packaged_model_dir
+from sglang_dflash.engine.packaged import PACKAGED_MODELS, model_dir
 from sglang_dflash.models.skinny import use_skinny_linear
 
 # transformers 5.24 renamed the forward's `past_key_values=` to `cache=` (old name deprecated).
@@ -53,9 +53,7 @@ class HFTarget:
                         device: str | torch.device = "cpu", cache_dir: str | Path | None = None) -> HFTarget:
         """Load a Hugging Face model directory, or a packaged model by name (e.g. "smollm2-135m",
         converted once into `cache_dir`)."""
-        if str(path) in PACKAGED_MODELS:
-            path = packaged_model_dir(str(path), cache_dir)
-        path = Path(path)
+        path = model_dir(path, cache_dir)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"target model directory {path} has no config.json (nor is it a packaged "
                                     f"model: {', '.join(sorted(PACKAGED_MODELS))})")
