@@ -20,7 +20,7 @@ CHUNK_ROWS = 128  # rows of x per kernel call: 128 x 1536 fp32 values still fit 
 
 def _few_enough_rows(x: torch.Tensor) -> bool:
     # torch's CPU fp16 GEMM (no fp16 arithmetic on AVX2) is slower than skinny_linear at every row
-    # count bench/bench_ops.py measures: 1.1x at 1 row, 2.9-3.8x at 4-32 rows (SmolLM2's MLP
+    # count bench/bench_ops.py measures: 1.1-1.3x at 1 row, 2.7-3.8x at 4-32 rows (SmolLM2's MLP
     # shapes), so fp16 always takes the kernel.
     return x.dtype == torch.float16 or x.numel() <= MAX_ROWS * x.shape[-1]
 
