@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+from pathlib import Path
 
 import torch
+from provenance import run_info
 
 from sglang_dflash.engine import DFlashDrafter, Generator, HFTarget, OracleDrafter, SamplingParams, encode_prompt
 from sglang_dflash.engine.drafters import NoDrafter
+from sglang_dflash.engine.packaged import model_dir
 from sglang_dflash.models import DFlashConfig, DFlashDraftModel
 
 PROMPTS = [
@@ -67,18 +68,18 @@ def main() -> None:
     parser.add_argument("--block-sizes", default="4,8")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", help="write the numbers as JSON here")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_cpu.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    info = run_info({"target": model_dir(args.target)})  # before the run loads the machine
     target = HFTarget.from_pretrained(args.target)
     prompts = [encode_prompt(target.tokenizer, p) for p in PROMPTS]
     # No stop tokens while timing, so every configuration decodes the same number of tokens.
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=())
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or
-           platform.machine(), "load_avg_1m": os.getloadavg()[0], "device": str(target.device)}
-    print(f"target {args.target}, {args.max_new_tokens} new tokens, {env}", flush=True)
+    print(f"target {args.target}, {args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, "
+          f"{target.device}", flush=True)
     rows = []
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         batch = prompts[:bs]
@@ -103,10 +104,9 @@ def main() -> None:
         rows.append({"batch": bs, "block_size": 16, "dflash_layers": 1,
                      "draft_ms_per_step": 1e3 * step.draft_s / step.steps,
                      "verify_ms_per_step": 1e3 * step.verify_s / step.steps})
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"target": args.target, "max_new_tokens": args.max_new_tokens, "env": env, "rows": rows},
-                      f, indent=2)
+    Path(args.out).write_text(json.dumps({"provenance": info, "target": args.target, "device": str(target.device),
+                                          "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -52,10 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop-token-ids", type=_int_list("--stop-token-ids"), help="default: the target's EOS ids")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--cache-dir", help="where packaged models are converted (default: "
                                        "$SGLANG_DFLASH_CACHE or ~/.cache/sglang_dflash)")
-    g.add_argument("--threads", type=int, help="torch CPU threads")
+    _add_torch_options(g)
     g.add_argument("--json", action="store_true",
                    help="print one JSON object: per request prompt_ids, output_ids (the prefill token, then "
                         "every step's commits), steps (tokens committed by each verify pass, bonus included) "
@@ -67,9 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--draft", default=SHIPPED_DRAFTER, help="drafter directory or shipped drafter name")
     d.add_argument("--block-size", type=int, help="block size B (default 4, the shipped drafter's fastest on CPU)")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    d.add_argument("--threads", type=int, help="torch CPU threads")
+    _add_torch_options(d)
     return parser
+
+
+def _add_torch_options(parser: argparse.ArgumentParser) -> None:
+    """--device and --threads, which _torch_setup applies."""
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
 
 
 def _torch_setup(args: argparse.Namespace) -> str:
@@ -111,8 +115,7 @@ def add_regenerate_parser(sub) -> None:
     r.add_argument("--max-batch-tokens", type=int, default=None,
                    help="padded tokens per batch, rows x (longest prompt + max new tokens); fewer rows for long "
                         "prompts (default 49152)")
-    r.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    r.add_argument("--threads", type=int, help="torch CPU threads")
+    _add_torch_options(r)
 
 
 def regenerate(args: argparse.Namespace) -> int:
@@ -167,8 +170,7 @@ def add_train_parser(sub) -> None:
     t.add_argument("--draft-vocab", type=int, default=0, metavar="K",
                    help="also write a draft vocabulary of the K most frequent trained-on tokens: drafts "
                         "only take those ids, so the draft LM head reads K rows instead of the vocabulary")
-    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    t.add_argument("--threads", type=int, help="torch CPU threads")
+    _add_torch_options(t)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -221,7 +223,7 @@ def generate(args: argparse.Namespace) -> int:
             "torch_threads": torch.get_num_threads(), "device": device,
             "requests": [{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "steps": r.steps,
                           "text": r.text, "stats": r.stats.to_dict()} for r in results],
-        }))
+        }, allow_nan=False))  # strict JSON: a NaN / Infinity would be a bug, so it raises instead
         return 0
     for i, r in enumerate(results):
         s = r.stats

@@ -18,6 +18,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+def strict_json_constant(name: str):
+    raise AssertionError(f"--json printed {name}, which is not JSON")
+
+
 def test_generate_json_matches_hf_greedy(tmp_path):
     target = tiny_target("qwen3")
     target.model.save_pretrained(tmp_path / "target")
@@ -27,13 +31,23 @@ def test_generate_json_matches_hf_greedy(tmp_path):
                    "--prompt-ids", "3,4,5,6", "--prompt-ids", "40,41", "--max-new-tokens", "10",
                    "--stop-token-ids", str(STOP_TOKEN), "--json")
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    out = json.loads(proc.stdout, parse_constant=strict_json_constant)
     assert out["block_size"] == 4
     for req, prompt in zip(out["requests"], prompts, strict=True):
         assert req["prompt_ids"] == prompt
         assert req["output_ids"] == hf_greedy(target, prompt, 10, STOP_TOKEN)
         assert [t for step in req["steps"] for t in step] == req["output_ids"][1:]
         assert req["stats"]["steps"] == len(req["steps"])
+
+
+def test_generate_json_stays_strict_without_verify_steps(tmp_path):
+    """One new token: no verify step, so per-step rates have nothing to divide by."""
+    tiny_target("llama").model.save_pretrained(tmp_path / "target")
+    proc = run_cli("--target", str(tmp_path / "target"), "--prompt-ids", "3,4", "--max-new-tokens", "1",
+                   "--temperature", "0.5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    (req,) = json.loads(proc.stdout, parse_constant=strict_json_constant)["requests"]
+    assert len(req["output_ids"]) == 1 and req["steps"] == [] and req["stats"]["tau"] == 0.0
 
 
 def test_generate_text_on_smollm2(tmp_path):

@@ -178,3 +178,25 @@ def test_seeded_speculative_output_equals_seeded_plain_output(target, drafter_ki
     for block_size, adaptive in ((2, False), (5, False), (8, True)):
         spec = Generator(target, drafter, block_size, adaptive=adaptive).generate(prompts, params)
         assert [r.output_ids for r in spec] == plain, (block_size, adaptive)
+
+
+def test_seeded_request_samples_the_same_alone_and_in_any_batch(target):
+    """A request's noise is keyed by its seed, prompt and output position, not by its row in the
+    batch: each prompt alone gives the tokens it gives in a batch (in another order, beside copies
+    of itself), plain or speculative. Copies of one prompt are independent samples, the first copy
+    being the one the prompt alone gives; explicit per-request seeds replace that rule."""
+    prompts = [[7, 1, 2, 2, 8], PROMPT, [4], PROMPT]
+    params = SamplingParams(temperature=1.0, seed=41, max_new_tokens=16, stop_token_ids=())
+    plain_gen = Generator(target, OracleDrafter([], VOCAB), 1)
+    spec_gen = Generator(target, DFlashDrafter(random_draft(target, block_size=8), target), 5)
+    for gen in (plain_gen, spec_gen):
+        batched = [r.output_ids for r in gen.generate(prompts, params)]
+        alone = [gen.generate([p], params)[0].output_ids for p in prompts[:3]]
+        assert batched[:3] == alone
+        assert batched[3] != batched[1]  # the second copy of PROMPT is a fresh sample
+        reordered = [r.output_ids for r in gen.generate(prompts[2::-1], params)]
+        assert reordered == alone[::-1]
+        same = [r.output_ids for r in gen.generate([PROMPT, PROMPT], params, seeds=[9, 9])]
+        assert same[0] == same[1] != batched[1]
+    with pytest.raises(ValueError, match="seeds has 1 entries for 2 prompts"):
+        plain_gen.generate([PROMPT, PROMPT], params, seeds=[1])

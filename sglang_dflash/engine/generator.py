@@ -12,6 +12,7 @@ step's block size is chosen by a `BlockSizeController` (block_size.py).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 
@@ -92,6 +93,25 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+def request_keys(prompts: list[list[int]], seed: int, seeds: list[int] | None = None) -> list[int]:
+    """Each request's 31-bit noise key: a hash of its seed (`seeds[i]`, else the run's `seed`), its
+    prompt ids and, without `seeds`, how many identical prompts come before it in the call. So a
+    seeded request samples the same tokens alone or in any batch, and copies of one prompt in one
+    call are independent samples (the first copy is the one a call with that prompt alone makes)."""
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+    seen: dict[tuple[int, ...], int] = {}
+    keys = []
+    for i, prompt in enumerate(prompts):
+        copy = 0 if seeds is not None else seen.get(tuple(prompt), 0)
+        seen[tuple(prompt)] = copy + 1
+        h = hashlib.blake2b(digest_size=4)
+        for value in (seed if seeds is None else seeds[i], copy, *prompt):
+            h.update(int(value).to_bytes(8, "little", signed=True))
+        keys.append(int.from_bytes(h.digest(), "little") >> 1)
+    return keys
+
+
 class Generator:
     """`block_size`: the block of every step, or with `adaptive` the largest one a step may use.
     An adaptive generator keeps what it learned about step times and acceptance across calls."""
@@ -104,7 +124,8 @@ class Generator:
         self.controller = BlockSizeController(block_size) if adaptive else None
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams = SamplingParams(),
-                 chat: bool = True) -> list[GenerationResult]:
+                 chat: bool = True, seeds: list[int] | None = None) -> list[GenerationResult]:
+        """`seeds` (optional): one seed per request instead of `params.seed` (see request_keys)."""
         tok = self.target.tokenizer
         if not prompts:
             raise ValueError("prompts is empty")
@@ -117,25 +138,26 @@ class Generator:
                 raise ValueError(f"prompt {i} is empty")
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside the target vocabulary [0, {vocab})")
-        results = self._run(ids, params)
+        results = self._run(ids, params, request_keys(ids, params.seed, seeds))
         if tok is not None:
             for r in results:
                 r.text = tok.decode(r.output_ids, skip_special_tokens=True)
         return results
 
     @torch.no_grad()
-    def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+    def _run(self, prompts: list[list[int]], params: SamplingParams, keys: list[int]) -> list[GenerationResult]:
         target, drafter, B = self.target, self.drafter, self.block_size
         target.set_taps(drafter.layer_ids)
         dev = target.device
         n = len(prompts)
         stop = set(target.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
         results = [GenerationResult(p, [], [], RequestStats(B, accept_hist=[0] * B)) for p in prompts]
-        # Verify row i draws the noise keyed (seed, offset + i). offset = request index << 32 | the
-        # output position row 0 fills: every sample is keyed by its position, so the tokens do not
-        # depend on the block sizes (seeded speculative output = seeded plain output).
+        # Verify row i draws the noise keyed (seed, offset + i). offset = the request's key << 32 | the
+        # output position row 0 fills: every sample is keyed by its request and position, so the
+        # tokens depend neither on the block sizes nor on the batch (seeded speculative output =
+        # seeded plain output, alone or batched).
         def next_offsets(reqs):
-            return torch.tensor([(r << 32) | len(results[r].output_ids) for r in reqs], dtype=torch.int64,
+            return torch.tensor([(keys[r] << 32) | len(results[r].output_ids) for r in reqs], dtype=torch.int64,
                                 device=dev)
 
         def sample(candidates, logits, reqs, offsets):
