@@ -7,6 +7,7 @@ allocator after it was filled with NaNs, so an element the kernel never writes s
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import subprocess
@@ -101,15 +102,18 @@ def test_block_attention_matches_reference_and_cpu(case, dtype):
     assert _rel_err(out, cpu) < TOL[dtype]
 
 
-def _cpu_grid():
+def _cpu_cases(module, name):
+    """The case list `name` (a list, or a function that builds one) of the CPU test module
+    tests.`module`; [] when run from elsewhere, where the CPU tests are not importable."""
     try:
-        from tests.test_ops_block_attention import _grid_cases
-    except ImportError:  # run from elsewhere: the CPU grid is not importable
+        cases = getattr(importlib.import_module(f"tests.{module}"), name)
+    except ImportError:
         return []
-    return _grid_cases()
+    return cases() if callable(cases) else cases
 
 
-@pytest.mark.parametrize("bs,block,hq,hkv,head_dim,ctx_lens,dtype,window,causal,seed", _cpu_grid())
+@pytest.mark.parametrize("bs,block,hq,hkv,head_dim,ctx_lens,dtype,window,causal,seed",
+                         _cpu_cases("test_ops_block_attention", "_grid_cases"))
 def test_block_attention_cpu_test_grid(bs, block, hq, hkv, head_dim, ctx_lens, dtype, window,
                                        causal, seed):  # fmt: skip
     """The CPU kernel's test grid (same inputs, same layouts): CUDA == reference == CPU twin."""
@@ -208,13 +212,13 @@ def _params(bs, temperature, top_k, top_p, seed=0):
     )
 
 
-def _run_verify(device, candidates, logits, temp, topk, topp, seed, offsets):
+def _run_verify(device, candidates, logits, temperature, top_k, top_p, seed, offsets):
     out = ops.verify_block(
         candidates.to(device),
         logits.to(device),
-        temp.to(device),
-        topk.to(device),
-        topp.to(device),
+        temperature.to(device),
+        top_k.to(device),
+        top_p.to(device),
         seed,
         offsets.to(device),
     )
@@ -297,29 +301,15 @@ def test_verify_sampling_matches_cpu(case, dtype):
     assert int((gpu[0] == block - 1).sum()) >= bs - 1, gpu
 
 
-CPU_STOCHASTIC_CASES = [
-    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 20, 1.0), (1.0, 0, 0.9), (0.8, 50, 0.5), (1.0, 1, 1.0),
-    (2.0, 0, 0.05), (1.0, 5000, 0.999),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("temperature,top_k,top_p", CPU_STOCHASTIC_CASES)
+@pytest.mark.parametrize("temperature,top_k,top_p", _cpu_cases("test_ops_verify", "STOCHASTIC_CASES"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verify_cpu_test_cases(temperature, top_k, top_p, dtype):
     """The CPU kernel's stochastic cases: CUDA == CPU twin == spec, every row compared."""
-    gen = torch.Generator().manual_seed(int(temperature * 100) + top_k)
-    bs, block, vocab = 3, 4, 1203
-    logits = (torch.randn(bs * block, vocab, generator=gen) * 3).to(dtype)
-    cand = torch.randint(0, vocab, (bs, block), generator=gen)
-    temp, topk, topp, _ = _params(bs, temperature, top_k, top_p)
-    offs = torch.arange(bs, dtype=torch.int64) * 1000 + 17
-    y = reference.target_samples(logits, temp, topk, topp, 99, offs, block)
-    cand[:, 1:] = y[:, :-1]
-    cand[0, 2] = (cand[0, 2] + 1) % vocab
-    gpu = _run_verify(DEV, cand, logits, temp, topk, topp, 99, offs)
-    cpu = _run_verify("cpu", cand, logits, temp, topk, topp, 99, offs)
-    ref = reference.verify_block(cand, logits, temp, topk, topp, 99, offs)
-    for a, b, r in zip(gpu, cpu, ref, strict=True):
+    from tests.test_ops_verify import stochastic_case
+
+    case = stochastic_case(temperature, top_k, top_p, dtype)
+    gpu, cpu = _run_verify(DEV, **case), _run_verify("cpu", **case)
+    for a, b, r in zip(gpu, cpu, reference.verify_block(**case), strict=True):
         assert torch.equal(a, b) and torch.equal(a, r)
 
 
@@ -498,15 +488,7 @@ def test_materialize_context_kv_matches_reference_and_cpu(shape, kwargs):
         assert_rows_close(gpu.cpu()[slots], cpu[slots], tol)
 
 
-def _context_kv_cpu_grid():
-    try:
-        from tests.test_ops_materialize_context_kv import _grid_cases
-    except ImportError:  # run from elsewhere: the CPU grid is not importable
-        return []
-    return _grid_cases()
-
-
-@pytest.mark.parametrize("shape,kwargs", _context_kv_cpu_grid())
+@pytest.mark.parametrize("shape,kwargs", _cpu_cases("test_ops_materialize_context_kv", "_grid_cases"))
 def test_materialize_context_kv_cpu_test_grid(shape, kwargs):
     from tests.test_ops_materialize_context_kv import check_against_reference
 

@@ -12,7 +12,7 @@ from sglang_dflash import ops
 from sglang_dflash.models.skinny import MAX_ROWS, SkinnyLinear, use_skinny_linear
 from sglang_dflash.ops import reference
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}  # relative to sum |x||w|
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _inputs(rows, n, k, dtype, seed, bias=True, lead=()):
@@ -24,13 +24,20 @@ def _inputs(rows, n, k, dtype, seed, bias=True, lead=()):
 
 
 def _assert_close(out, x, w, b):
-    ref = reference.skinny_linear(x, w, b).double()
-    scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs()) + 1
-    err = ((out.double() - ref).abs() / scale).max().item()
-    assert err <= TOL[x.dtype], f"relative error {err:.2e}"
+    """|out - exact| within what the kernel's arithmetic allows. It converts x, w and b to fp32
+    (exactly) and sums the k products and the bias in fp32, in some order: an error of at most
+    ~(k + 1) * 2^-24 * (sum |x||w| + |b|), doubled here to cover the second-order terms; then it
+    rounds once to out's dtype: half an ulp, eps / 2 * |value|, or half the subnormal spacing."""
+    xd, wd, bd = (None if t is None else t.double() for t in (x, w, b))
+    exact = reference.skinny_linear(xd, wd, bd)  # float64: exact products, sums to ~2^-53
+    mass = xd.abs() @ wd.abs().T + (0 if b is None else bd.abs())
+    fin = torch.finfo(out.dtype)
+    bound = fin.eps / 2 * (exact.abs() + fin.smallest_normal) + 2 * (x.shape[-1] + 1) * 2.0**-24 * mass
+    ratio = ((out.double() - exact).abs() / bound).max().item()
+    assert ratio <= 1, f"error up to {ratio:.3g}x the bound"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (1, 64, 576), (3, 33, 8), (4, 96, 100), (5, 7, 1536),
                                       (8, 257, 576), (16, 130, 19), (37, 20, 64), (2, 9, 40)])
 def test_matches_reference(dtype, rows, n, k):
@@ -39,6 +46,20 @@ def test_matches_reference(dtype, rows, n, k):
         out = ops.skinny_linear(x, w, b)
         assert out.shape == (rows, n) and out.dtype == dtype
         _assert_close(out, x, w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [19, 100, 576, 1536 + 7])
+def test_bound_rejects_a_kernel_that_drops_the_k_tail(dtype, k):
+    """The bound can fail: outputs that leave out the last t products of every dot product (a
+    vector loop without its scalar tail) are rejected, where the kernel's own output passes."""
+    x, w, b = _inputs(4, 256, k, dtype, seed=k)
+    _assert_close(ops.skinny_linear(x, w, b), x, w, b)
+    for t in (1, 4, 8):
+        head = x.clone()
+        head[..., -t:] = 0
+        with pytest.raises(AssertionError, match="the bound"):
+            _assert_close(reference.skinny_linear(head, w, b), x, w, b)
 
 
 def test_leading_dims_and_strided_inputs():

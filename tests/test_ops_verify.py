@@ -95,21 +95,25 @@ STOCHASTIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", STOCHASTIC_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stochastic_matches_reference(temperature, top_k, top_p, dtype):
-    """Same Philox noise, same filters: the kernel's samples equal the spec's, row by row."""
+def stochastic_case(temperature, top_k, top_p, dtype):
+    """verify_block's arguments for a STOCHASTIC_CASES row (also run on CUDA by test_cuda_ops):
+    drafts that agree with the spec's samples, so every row gets compared, except one request."""
     gen = torch.Generator().manual_seed(int(temperature * 100) + top_k)
     bs, block, vocab = 3, 4, 1203
     logits = (torch.randn(bs * block, vocab, generator=gen) * 3).to(dtype)
     cand = torch.randint(0, vocab, (bs, block), generator=gen)
-    args = sampling_args(bs, temperature, top_k, top_p)
-    # Drafts that agree with the samples, so every row gets compared, except one request.
-    cand[:, 1:] = reference.target_samples(logits, **args, seed=99, block_size=block)[:, :-1]
+    args = dict(logits=logits, **sampling_args(bs, temperature, top_k, top_p), seed=99)
+    cand[:, 1:] = reference.target_samples(**args, block_size=block)[:, :-1]
     cand[0, 2] = (cand[0, 2] + 1) % vocab
-    got = ops.verify_block(cand, logits, seed=99, **args)
-    want = reference.verify_block(cand, logits, seed=99, **args)
-    for g, w in zip(got, want, strict=True):
+    return dict(candidates=cand, **args)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", STOCHASTIC_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stochastic_matches_reference(temperature, top_k, top_p, dtype):
+    """Same Philox noise, same filters: the kernel's samples equal the spec's, row by row."""
+    case = stochastic_case(temperature, top_k, top_p, dtype)
+    for g, w in zip(ops.verify_block(**case), reference.verify_block(**case), strict=True):
         assert torch.equal(g, w)
 
 
