@@ -222,7 +222,8 @@ def generate(args: argparse.Namespace) -> int:
             "sampling": dataclasses.asdict(params),
             "torch_threads": torch.get_num_threads(), "device": device,
             "requests": [{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "steps": r.steps,
-                          "text": r.text, "stats": r.stats.to_dict()} for r in results],
+                          "text": r.text, "stats": r.stats.to_dict(), "block_size_decisions": r.decisions}
+                         for r in results],
         }, allow_nan=False))  # strict JSON: a NaN / Infinity would be a bug, so it raises instead
         return 0
     for i, r in enumerate(results):

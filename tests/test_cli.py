@@ -40,6 +40,23 @@ def test_generate_json_matches_hf_greedy(tmp_path):
         assert req["stats"]["steps"] == len(req["steps"])
 
 
+def test_generate_json_lists_the_adaptive_block_size_decisions(tmp_path):
+    target = tiny_target("qwen3")
+    target.model.save_pretrained(tmp_path / "target")
+    save_draft(random_draft(target, block_size=4), tmp_path / "draft")
+    proc = run_cli("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--adaptive",
+                   "--prompt-ids", "3,4,5,6", "--max-new-tokens", "24", "--stop-token-ids", str(STOP_TOKEN), "--json")
+    assert proc.returncode == 0, proc.stderr
+    (req,) = json.loads(proc.stdout, parse_constant=strict_json_constant)["requests"]
+    assert req["output_ids"] == hf_greedy(target, [3, 4, 5, 6], 24, STOP_TOKEN)
+    decisions = req["block_size_decisions"]
+    assert len(decisions) == req["stats"]["steps"] == len(req["steps"])
+    assert sum(d["block_size"] for d in decisions) == req["stats"]["verified_tokens"]
+    assert all(len(step) <= d["block_size"] for step, d in zip(req["steps"], decisions, strict=True))
+    assert decisions[0]["why"] == "first try at this batch size"
+    assert any(len(d.get("expected_tokens", ())) == 4 and len(d["step_ms"]) == 4 for d in decisions)
+
+
 def test_generate_json_stays_strict_without_verify_steps(tmp_path):
     """One new token: no verify step, so per-step rates have nothing to divide by."""
     tiny_target("llama").model.save_pretrained(tmp_path / "target")

@@ -51,14 +51,17 @@ class DFlashDrafter:
         self.layer_ids = c.target_layer_ids
         self.max_block_size = c.block_size
         self._rows: dict[int, int] = {}
+        self._pending: dict[int, list[torch.Tensor]] = {}  # request -> tapped states not appended yet
 
     def start(self, taps: list[torch.Tensor], capacities: list[int]) -> None:
         cache = self.model.allocate_cache(sum(capacities), len(taps), max(capacities))
         self._rows = {i: cache.add_request() for i in range(len(taps))}
+        self._pending.clear()
         self.model.append_context(list(self._rows.values()), [t.shape[0] for t in taps], torch.cat(taps))
 
     def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int,
                 sampling: DraftSampling | None = None) -> torch.Tensor:
+        self._append_pending()
         rows = torch.tensor([self._rows[r] for r in reqs], device=anchors.device)
         block = torch.full((len(reqs), block_size), self.model.config.mask_token_id, device=anchors.device)
         block[:, 0] = anchors
@@ -81,10 +84,19 @@ class DFlashDrafter:
         return drafts if self.vocab is None else self.vocab[drafts]
 
     def commit(self, reqs: list[int], counts: list[int], taps: torch.Tensor) -> None:
-        kept = torch.cat([taps[b, :n] for b, n in enumerate(counts)])
-        self.model.append_context([self._rows[r] for r in reqs], counts, kept)
+        # Deferred to the next propose: a run of plain (block size 1) steps then costs one context
+        # append for all its tokens instead of one per step.
+        for b, (r, n) in enumerate(zip(reqs, counts, strict=True)):
+            self._pending.setdefault(r, []).append(taps[b, :n])
+
+    def _append_pending(self) -> None:
+        if self._pending:
+            reqs, taps = list(self._pending), [torch.cat(t) for t in self._pending.values()]
+            self.model.append_context([self._rows[r] for r in reqs], [t.shape[0] for t in taps], torch.cat(taps))
+            self._pending.clear()
 
     def finish(self, req: int) -> None:
+        self._pending.pop(req, None)
         self.model.cache.release(self._rows.pop(req))
 
 

@@ -82,6 +82,9 @@ class GenerationResult:
     steps: list[list[int]]  # tokens committed by each verify step, bonus included
     stats: RequestStats
     text: str | None = None
+    # With an adaptive block size, one entry per verify step: the block size and why the controller
+    # chose it (its expected tokens and step times per size, block_size.py).
+    decisions: list[dict] = dataclasses.field(default_factory=list)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
@@ -192,7 +195,11 @@ class Generator:
             start_t = torch.tensor([starts[r] for r in active], device=dev)
             offsets = next_offsets(active)
             t0 = time.perf_counter()
-            block = B if self.controller is None else self.controller.choose(len(active))
+            block = B
+            if self.controller is not None:
+                block = self.controller.choose(len(active))
+                for r in active:
+                    results[r].decisions.append(self.controller.last_decision)
             candidates = anchors[:, None]
             if block > 1:
                 sampling = DraftSampling(params.temperature, params.seed, offsets) if params.temperature > 0 else None
