@@ -89,11 +89,10 @@ def sglang_plugins(tmp_path, monkeypatch):
     saved_hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
     saved_patched = set(HookRegistry._patched)
     saved_loaded = sgl_plugins._plugins_loaded
-    saved_plugin = (plugin._registered, plugin._logged_worker, plugin.SUPPORTED_SGLANG_VERSIONS)
+    saved_plugin = (plugin._registered, plugin.SUPPORTED_SGLANG_VERSIONS)
     sgl_plugins._plugins_loaded = False
     HookRegistry.reset()
     plugin._registered = False
-    plugin._logged_worker = False
     try:
         yield types.SimpleNamespace(
             load_plugins=sgl_plugins.load_plugins,
@@ -108,7 +107,7 @@ def sglang_plugins(tmp_path, monkeypatch):
         HookRegistry._hooks.update(saved_hooks)
         HookRegistry._patched.update(saved_patched)
         sgl_plugins._plugins_loaded = saved_loaded
-        plugin._registered, plugin._logged_worker, plugin.SUPPORTED_SGLANG_VERSIONS = saved_plugin
+        plugin._registered, plugin.SUPPORTED_SGLANG_VERSIONS = saved_plugin
 
 
 def _our_hooks(registry):
@@ -121,25 +120,19 @@ def _server_args():
     return types.SimpleNamespace(device="cpu")
 
 
-def test_load_plugins_makes_dflash_use_our_worker(sglang_plugins, caplog):
+def test_load_plugins_makes_dflash_use_our_worker(sglang_plugins):
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
     from sglang_dflash.sglang.worker import DFlashKernelWorker
 
     s = sglang_plugins
     original = s.SpeculativeAlgorithm.create_worker
-    with caplog.at_level(logging.INFO):
-        s.load_plugins()
-        assert len(_our_hooks(s.HookRegistry)) == 1
-        cls = s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args())
-        assert cls is DFlashKernelWorker and issubclass(cls, DFlashWorkerV2)
-        # The CLI name goes through the same enum member.
-        assert s.SpeculativeAlgorithm.from_string("dflash").create_worker(_server_args()) is DFlashKernelWorker
-    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER and "runs worker" in r.getMessage()]
-    assert lines == [
-        "sglang-dflash: speculative algorithm DFLASH runs worker "
-        f"sglang_dflash.sglang.worker.DFlashKernelWorker (SGLang {s.plugin.sglang_version()}, device cpu)"
-    ]
+    s.load_plugins()
+    assert len(_our_hooks(s.HookRegistry)) == 1
+    cls = s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args())
+    assert cls is DFlashKernelWorker and issubclass(cls, DFlashWorkerV2)
+    # The CLI name goes through the same enum member.
+    assert s.SpeculativeAlgorithm.from_string("dflash").create_worker(_server_args()) is DFlashKernelWorker
     # Other algorithms get exactly what SGLang gives them.
     for name in ("NGRAM", "STANDALONE"):
         algo = s.SpeculativeAlgorithm.from_string(name)
@@ -278,13 +271,13 @@ def test_plugin_runs_in_a_fresh_process_through_load_plugins(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "WORKER sglang_dflash.sglang.worker.DFlashKernelWorker" in proc.stdout
-    assert "runs worker sglang_dflash.sglang.worker.DFlashKernelWorker" in proc.stdout
 
 
 # -- _accept_block: ours against SGLang's own torch path -------------------------------------
 
 
-def _bare_worker(cls, block_size, *, random_seed=1234, device="cpu"):
+def _bare_worker(cls, block_size, *, random_seed=1234, device="cpu",
+                 kernel_ops=("verify_block", "verify_block_from_ids")):
     """An instance with just the state `_accept_block` reads (the full __init__ needs a model).
 
     Every attribute set here is one DFlashWorkerV2.__init__ sets; everything else is SGLang's.
@@ -294,7 +287,7 @@ def _bare_worker(cls, block_size, *, random_seed=1234, device="cpu"):
     from sglang_dflash.sglang.worker import DFlashKernelWorker
 
     w = object.__new__(cls)
-    w._target_worker = None
+    w._target_worker = types.SimpleNamespace(random_seed=random_seed)  # TpModelWorker's resolved seed
     w.device = device
     w.block_size = block_size
     w._accept_bonus_buffer_cap = 0
@@ -307,8 +300,13 @@ def _bare_worker(cls, block_size, *, random_seed=1234, device="cpu"):
     w._warned_sampling_fallback = False
     w._tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
     if issubclass(cls, DFlashKernelWorker):
-        w._init_dflash_kernels(types.SimpleNamespace(random_seed=random_seed))
+        w._init_dflash_kernels(_spec(), kernel_ops)
     return w
+
+
+def _spec(single=1.0, acc=1.0):
+    """SGLang's resolved speculative settings (get_spec()) as far as the worker reads them."""
+    return types.SimpleNamespace(speculative_accept_threshold_single=single, speculative_accept_threshold_acc=acc)
 
 
 def _sampling_info(temperature, top_k, top_p, *, seeds=None):
@@ -618,3 +616,149 @@ def test_attention_swap_leaves_other_calls_to_sglang():
     assert not covers(layer, fb, q, kbuf)
     layer.logit_cap = 0.0
     assert not covers(layer, fb, q.half(), kbuf)  # KV pool in another dtype
+
+
+# -- seed, thresholds, device, and the start-up self-test (no server) ---------------------------
+
+
+def test_sampling_seed_is_sglangs_resolved_seed():
+    """The noise seed is what the target worker resolved (SGLang draws one when --random-seed is not
+    given; server_args.random_seed then stays None), not a fixed 0."""
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    w = _bare_worker(DFlashKernelWorker, 4, random_seed=987654)
+    assert w._dflash_seed == 987654
+
+
+@pytest.mark.parametrize("single,acc", [(0.0, 1.0), (1.0, 0.0), (0.5, 0.9)])
+def test_non_default_accept_thresholds_go_to_sglang(monkeypatch, single, acc):
+    """An explicit threshold, 0.0 included, is SGLang's (relaxed) acceptance rule: sampled batches
+    run the parent's _accept_block and its sampling-support check; greedy ones stay ours."""
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    calls = []
+    monkeypatch.setattr(DFlashWorkerV2, "_accept_block", lambda self, **kw: calls.append("accept") or "parent")
+    monkeypatch.setattr(DFlashWorkerV2, "_validate_phase1_sampling_support", lambda self, b: calls.append("validate"))
+    w = _bare_worker(DFlashKernelWorker, 4)
+    w._init_dflash_kernels(_spec(single, acc), ["verify_block", "verify_block_from_ids"])
+    assert w._dflash_thresholds == (single, acc)
+    bs, block, vocab = 2, 4, 50
+    logits, candidates, prefix_lens = _greedy_case(bs, block, vocab, seed=4)
+    kw = dict(candidates=candidates, next_token_logits=logits, prefix_lens=prefix_lens, bs=bs)
+    assert _call(w, sampling_info=_sampling_info([0.8] * bs, [1 << 30] * bs, [1.0] * bs), **kw) == "parent"
+    w._validate_phase1_sampling_support(types.SimpleNamespace())
+    assert calls == ["accept", "validate"]
+    assert _call(w, **kw)[0].dtype == torch.int32  # greedy: our kernel's decisions
+    assert calls == ["accept", "validate"]
+
+
+@pytest.mark.parametrize("device,gpu_id,expected", [("cpu", 0, "cpu"), ("cuda", 3, "cuda:3"), ("cuda:1", 3, "cuda:1")])
+def test_runner_device_names_the_index(device, gpu_id, expected):
+    from sglang_dflash.sglang.worker import runner_device
+
+    assert runner_device(types.SimpleNamespace(device=device, gpu_id=gpu_id)) == torch.device(expected)
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch):
+    """No cached self-test results or fallbacks (restored afterwards); defaults for the switches."""
+    from sglang_dflash import ops
+    from sglang_dflash.ops import self_test
+
+    monkeypatch.setattr(self_test, "_RESULTS", {})
+    monkeypatch.setattr(ops, "_REFERENCE_ON", set())
+    for var in ("SGLANG_DFLASH_STRICT", "SGLANG_DFLASH_DRAFT_ATTENTION"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _self_tested_worker(monkeypatch, break_op=None):
+    """A bare worker whose drafter is one real RadixAttention layer over a real KV pool, after
+    `_self_test_kernels("cpu")`, with `break_op`'s compiled kernel raising what a GPU without an
+    image for its compute capability raises."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from sglang_dflash import _extension
+    from sglang_dflash.sglang.context_kv import ContextKVWriter
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    def broken(*args):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    if break_op is not None:
+        monkeypatch.setattr(_extension.ops(), break_op, broken)
+    monkeypatch.setattr(ContextKVWriter, "for_worker", classmethod(lambda cls, worker: None))
+    layer, pool, table, fb, q, k, v, block = _verify_attention_case(AttentionType.ENCODER_ONLY, -1)
+    w = _bare_worker(DFlashKernelWorker, block)
+    w.model_runner = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32))
+    w.draft_model = types.SimpleNamespace(layers=[types.SimpleNamespace(self_attn=types.SimpleNamespace(attn=layer))])
+    w.draft_model_runner = types.SimpleNamespace(token_to_kv_pool=pool,
+                                                 req_to_token_pool=types.SimpleNamespace(req_to_token=table))
+    w.use_compact_draft_cache = False
+    w._init_dflash_kernels(_spec(), w._self_test_kernels(torch.device("cpu")))
+    return w, layer, pool, fb, q
+
+
+def test_self_test_switches_on_every_op_that_passes(fresh_kernels, monkeypatch, caplog):
+    from sglang_dflash.ops import self_test
+    from sglang_dflash.ops.self_test import Attention
+    from sglang_dflash.sglang.attention import _ORIGINAL, covers
+
+    with caplog.at_level(logging.WARNING):
+        w, layer, pool, fb, q = _self_tested_worker(monkeypatch)
+    assert not caplog.records
+    assert w._dflash_ops == {"verify_block", "verify_block_from_ids", "block_attention", "skinny_linear"}
+    assert getattr(layer, _ORIGINAL, None) is not None  # the draft layer runs block_attention
+    assert covers(layer, fb, q, pool.get_key_buffer(0))
+    # The draft layer's own configuration was tested: its heads, pool dtype, mask, B and 1.
+    for block in (4, 1):
+        assert ("block_attention", torch.device("cpu"), Attention(4, 2, 16, torch.float32, block)) in self_test._RESULTS
+
+
+def test_a_failed_attention_self_test_gives_attention_to_sglang(fresh_kernels, monkeypatch, caplog):
+    from sglang_dflash.sglang.attention import _ORIGINAL, covers
+
+    with caplog.at_level(logging.WARNING):
+        w, layer, pool, fb, q = _self_tested_worker(monkeypatch, break_op="block_attention")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("sglang-dflash: self-test of block_attention on cpu failed (Attention(")
+    assert "raised RuntimeError: CUDA error: no kernel image is available" in warnings[0]
+    assert warnings[0].endswith("; block_attention runs SGLang's own path there")
+    assert w._dflash_ops == {"verify_block", "verify_block_from_ids", "skinny_linear"}
+    assert getattr(layer, _ORIGINAL, None) is None  # SGLang's attention backend
+    assert not covers(layer, fb, q, pool.get_key_buffer(0))  # nor through SGLang's CPU-engine hooks
+
+
+def test_a_failed_verify_self_test_gives_verification_to_sglang(fresh_kernels, monkeypatch, caplog):
+    """Greedy and sampled verification with logits are SGLang's then, with SGLang's results."""
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    calls = []
+    parent = DFlashWorkerV2._accept_block
+    monkeypatch.setattr(DFlashWorkerV2, "_accept_block", lambda self, **kw: calls.append(1) or parent(self, **kw))
+    with caplog.at_level(logging.WARNING):
+        w, *_ = _self_tested_worker(monkeypatch, break_op="verify_block")
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "self-test of verify_block on cpu failed (torch.float32: raised RuntimeError" in warning
+    assert "verify_block" not in w._dflash_ops and not w._kernel_sampling_ok()
+    bs, block, vocab = 3, 4, 64
+    logits, candidates, prefix_lens = _greedy_case(bs, block, vocab, seed=2)
+    kw = dict(candidates=candidates, next_token_logits=logits, prefix_lens=prefix_lens, bs=bs)
+    for a, b in zip(_call(w, **kw), _call(_bare_worker(DFlashWorkerV2, block), **kw), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert len(calls) == 2  # ours went to the parent too
+    _call(w, sampling_info=_sampling_info([0.8] * bs, [1 << 30] * bs, [1.0] * bs), **kw)
+    assert len(calls) == 3
+    # The argmax ids still go through verify_block_from_ids, which passed.
+    _call(w, **dict(kw, next_token_logits=None, target_predict=logits.argmax(-1)))
+    assert len(calls) == 3
+
+
+def test_strict_self_test_failure_stops_the_worker(fresh_kernels, monkeypatch):
+    from sglang_dflash.ops.self_test import SelfTestError
+
+    monkeypatch.setenv("SGLANG_DFLASH_STRICT", "1")
+    with pytest.raises(SelfTestError, match=r"self-test failed on cpu: verify_block_from_ids \(torch\.int64: raised"):
+        _self_tested_worker(monkeypatch, break_op="verify_block_from_ids")

@@ -21,6 +21,7 @@ from sglang_dflash.engine import grouped_attention
 from sglang_dflash.engine.kv_cache import GrowingCache
 from sglang_dflash.engine.packaged import PACKAGED_MODELS, model_dir
 from sglang_dflash.models.skinny import use_skinny_linear
+from sglang_dflash.ops import self_test
 
 # transformers 5.24 renamed the forward's `past_key_values=` to `cache=` (old name deprecated).
 _CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
@@ -47,6 +48,13 @@ class HFTarget:
         self._cache: GrowingCache | None = None
         self._valid: torch.Tensor | None = None  # bool [bs, T]: which cache columns are real tokens
         self._block = 0  # width of the last verified block
+        # Before our kernels serve on this device: any that fails its self-test runs PyTorch here.
+        config = model.config.get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or self.hidden_size // heads
+        plan = self_test.engine_plan(heads, getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                                     self.lm_head_weight.dtype, self.device)
+        self_test.select(self.device, plan, fallback="PyTorch")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,

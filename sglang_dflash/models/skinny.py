@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_dflash.ops import skinny_linear
+from sglang_dflash.ops import runs_ours, skinny_linear
 
 MAX_ROWS = 16  # above this the weight is reused enough for BLAS to win (fp32, bf16)
 CHUNK_ROWS = 128  # rows of x per kernel call: 128 x 1536 fp32 values still fit in L2
@@ -27,11 +27,13 @@ def _few_enough_rows(x: torch.Tensor) -> bool:
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `skinny_linear(x, weight, bias)` may replace F.linear: few rows (any number in
-    fp16) on the CPU, one dtype, a weight with contiguous rows, and nothing that needs autograd."""
+    fp16) on the CPU, one dtype, a weight with contiguous rows, nothing that needs autograd, and a
+    kernel that passed its self-test (else F.linear, not the slow float64 reference)."""
     return (x.device.type == "cpu" and _few_enough_rows(x) and x.dtype == weight.dtype
             and weight.dim() == 2 and weight.stride(-1) == 1 and weight.device.type == "cpu"
             and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and runs_ours("skinny_linear", "cpu"))
 
 
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 Every op validates its arguments in the extension (shapes, dtypes, devices, and on CPU the index
 ranges) and raises one ValueError naming the bad argument.
+
+An op whose kernel failed the start-up self-test on a device (`self_test.py`) runs the
+pure-PyTorch reference there instead: slower, same result.
 """
 
 from __future__ import annotations
@@ -11,15 +14,43 @@ from collections.abc import Sequence
 import torch
 
 from sglang_dflash._extension import ops as _ops
+from sglang_dflash.ops import reference
 
 __all__ = [
     "block_attention",
+    "canonical_device",
     "gumbel_argmax",
     "materialize_context_kv",
+    "runs_ours",
     "skinny_linear",
+    "use_reference",
     "verify_block",
     "verify_block_from_ids",
 ]
+
+_REFERENCE_ON: set[tuple[str, torch.device]] = set()  # (op, device) pairs that run the reference
+
+
+def canonical_device(device: torch.device | str) -> torch.device:
+    """`device` as tensors on it report it: "cuda" becomes the current "cuda:N"."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def use_reference(op: str, device: torch.device | str) -> None:
+    """From now on `op` runs the pure-PyTorch reference for tensors on `device`."""
+    _REFERENCE_ON.add((op, canonical_device(device)))
+
+
+def runs_ours(op: str, device: torch.device | str) -> bool:
+    """Whether `op` runs our kernel (not the reference) for tensors on `device`."""
+    return not _REFERENCE_ON or (op, canonical_device(device)) not in _REFERENCE_ON
+
+
+def _reference_on(op: str, device: torch.device) -> bool:
+    return bool(_REFERENCE_ON) and (op, device) in _REFERENCE_ON  # one truth test when none failed
 
 
 def block_attention(
@@ -47,7 +78,8 @@ def block_attention(
     """
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
-    return _ops().block_attention(
+    run = reference.block_attention if _reference_on("block_attention", q.device) else _ops().block_attention
+    return run(
         q, k_block, v_block, k_cache, v_cache, req_to_token, req_pool_indices, ctx_lens,
         int(block_size), float(sm_scale), int(window), bool(causal_block),
     )
@@ -73,7 +105,8 @@ def verify_block(
     Returns accept_len i32 [bs], bonus i64 [bs], out_tokens i64 [bs, B] (accepted drafts, the
     bonus, then -1).
     """
-    return _ops().verify_block(candidates, logits, temperature, top_k, top_p, int(seed), offsets)
+    run = reference.verify_block if _reference_on("verify_block", logits.device) else _ops().verify_block
+    return run(candidates, logits, temperature, top_k, top_p, int(seed), offsets)
 
 
 def verify_block_from_ids(
@@ -83,7 +116,8 @@ def verify_block_from_ids(
 
     target_ids int [bs, B] or [bs * B]: the target's token after each candidate.
     """
-    return _ops().verify_block_from_ids(candidates, target_ids)
+    fallback = _reference_on("verify_block_from_ids", candidates.device)
+    return (reference.verify_block_from_ids if fallback else _ops().verify_block_from_ids)(candidates, target_ids)
 
 
 def gumbel_argmax(scores: torch.Tensor, ids: torch.Tensor | None, seed: int, offsets: torch.Tensor,
@@ -98,7 +132,8 @@ def gumbel_argmax(scores: torch.Tensor, ids: torch.Tensor | None, seed: int, off
     two distributions agree on it under the shared noise: at temperature > 0 that matches far more
     often than the draft's argmax, and the target's sample (hence the output) does not change.
     """
-    return _ops().gumbel_argmax(scores, ids, int(seed), offsets, rows)
+    run = reference.gumbel_argmax if _reference_on("gumbel_argmax", scores.device) else _ops().gumbel_argmax
+    return run(scores, ids, int(seed), offsets, rows)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +147,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.device.type not in ("cpu", "meta"):  # no kernel is registered for other devices
         raise ValueError(f"sglang_dflash.skinny_linear: is a CPU kernel; x is on {x.device} "
                          "(use torch.nn.functional.linear there)")
-    return _ops().skinny_linear(x, weight, bias)
+    run = reference.skinny_linear if _reference_on("skinny_linear", x.device) else _ops().skinny_linear
+    return run(x, weight, bias)
 
 
 def materialize_context_kv(
@@ -153,7 +189,8 @@ def materialize_context_kv(
     Bad arguments raise a ValueError naming them; on CUDA, out-of-range positions / out_loc stop the
     kernel with a device-side trap instead (no host sync).
     """
-    _ops().materialize_context_kv(
+    fallback = _reference_on("materialize_context_kv", ctx.device)
+    (reference.materialize_context_kv if fallback else _ops().materialize_context_kv)(
         ctx, list(kv_weights), None if kv_biases is None else list(kv_biases), list(k_norm_weights), float(eps),
         cos_sin_cache, bool(is_neox), positions, out_loc, list(k_caches), list(v_caches), float(v_scale),
     )

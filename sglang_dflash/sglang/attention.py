@@ -44,9 +44,13 @@ def covers_decode(layer, forward_batch, q, k_cache) -> bool:
 def _layer_covered(layer, q, k_cache) -> bool:
     import torch
 
+    from sglang_dflash.ops import runs_ours
+
     if layer.is_cross_attention or getattr(layer, "logit_cap", 0.0) or layer.qk_head_dim != layer.v_head_dim:
         return False
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+        return False
+    if not runs_ours("block_attention", q.device):  # it failed its self-test there
         return False
     if q.device.type == "cpu":
         return True
@@ -57,12 +61,22 @@ def _layer_covered(layer, q, k_cache) -> bool:
     return False
 
 
+def _window(layer) -> int:
+    sws = getattr(layer, "sliding_window_size", -1)
+    return sws + 1 if sws is not None and sws > -1 else -1  # SGLang: |q - k| <= sws
+
+
+def _causal(layer) -> bool:
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    return layer.attn_type != AttentionType.ENCODER_ONLY
+
+
 def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_token, swa_loc=None,
                           save_kv_cache=True, decode=False):
     """One TARGET_VERIFY attention layer (or, with `decode`, one decode layer: a causal block of
     one row over the tokens before it): writes the block's K/V to the pool (as SGLang's backends
     do), then `block_attention` over context + block; returns [rows, Hq * D]."""
-    from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     from sglang_dflash.ops import block_attention
@@ -84,8 +98,6 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
         k3, v3 = k_cache[loc], v_cache[loc]
     else:
         k3, v3 = k, v
-    sws = getattr(layer, "sliding_window_size", -1)
-    window = sws + 1 if sws is not None and sws > -1 else -1  # SGLang: |q - k| <= sws
     # A decode step's seq_lens count the new token, which is the block; TARGET_VERIFY's do not.
     ctx_lens = forward_batch.seq_lens - 1 if decode else forward_batch.seq_lens
     out = block_attention(
@@ -99,8 +111,8 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
         ctx_lens,
         n_rows // bs,
         sm_scale=layer.scaling,
-        window=window,
-        causal_block=decode or layer.attn_type != AttentionType.ENCODER_ONLY,
+        window=_window(layer),
+        causal_block=decode or _causal(layer),
     )
     return out.reshape(n_rows, hq * layer.v_head_dim)
 
@@ -114,15 +126,37 @@ def draft_attention_wanted(device) -> bool:
     return str(device).startswith("cpu") if wanted is None else wanted
 
 
+def _draft_layers(worker) -> list:
+    """The RadixAttention layers of a DFlashWorkerV2's drafter that `install_draft_attention` wraps."""
+    if getattr(worker, "use_compact_draft_cache", False):
+        return []  # the compact window cache numbers positions differently: SGLang's path
+    layers = (getattr(getattr(layer, "self_attn", None), "attn", None)
+              for layer in getattr(worker.draft_model, "layers", ()))
+    return [attn for attn in layers if attn is not None and hasattr(attn, "attn_type")]
+
+
+def draft_attention_cases(worker) -> list:
+    """The block_attention configurations the wrapped draft layers run (for the self-test): each
+    layer's head layout, pool dtype, window and mask, at the worker's block size and at 1 (the
+    adaptive block size goes down to it)."""
+    from sglang_dflash.ops.self_test import Attention
+
+    pool = worker.draft_model_runner.token_to_kv_pool
+    cases = {}
+    for attn in _draft_layers(worker):
+        for block in (int(worker.block_size), 1):
+            case = Attention(attn.tp_q_head_num, attn.tp_k_head_num, attn.qk_head_dim,
+                             pool.get_key_buffer(attn.layer_id).dtype, block, _window(attn), _causal(attn))
+            cases[case] = None
+    return list(cases)
+
+
 def install_draft_attention(worker) -> int:
     """Wrap the draft layers' attention of a DFlashWorkerV2; returns how many layers it wrapped."""
-    if getattr(worker, "use_compact_draft_cache", False):
-        return 0  # the compact window cache numbers positions differently: SGLang's path
     runner = worker.draft_model_runner
     wrapped = 0
-    for layer in getattr(worker.draft_model, "layers", ()):
-        attn = getattr(getattr(layer, "self_attn", None), "attn", None)
-        if attn is None or not hasattr(attn, "attn_type") or getattr(attn, _ORIGINAL, None) is not None:
+    for attn in _draft_layers(worker):
+        if getattr(attn, _ORIGINAL, None) is not None:
             continue
         original = attn.forward
 

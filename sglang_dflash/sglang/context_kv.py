@@ -47,9 +47,19 @@ class ContextKVWriter:
         if problem is not None:
             logger.info("sglang-dflash: draft context K/V through SGLang's per-layer path: %s", problem)
             return None
-        layers = list(worker.draft_model.layers)
-        logger.info("sglang-dflash: draft context K/V of %d layers through materialize_context_kv", len(layers))
-        return cls(worker, layers)
+        return cls(worker, list(worker.draft_model.layers))
+
+    def self_test_case(self):
+        """This drafter's materialize_context_kv configuration, for the start-up self-test."""
+        from sglang_dflash.ops.self_test import ContextKV
+
+        k_cache = self._worker.draft_model_runner.token_to_kv_pool.get_key_buffer(self._radix[0].layer_id)
+        cos_sin = self._rotary.cos_sin_cache
+        return ContextKV(
+            hidden=self._kv_weights[0].shape[1], kv_heads=k_cache.shape[1], head_dim=k_cache.shape[2],
+            rotary_dim=cos_sin.shape[1], dtype=self._kv_weights[0].dtype, pool_dtype=k_cache.dtype,
+            cos_sin_dtype=cos_sin.dtype, bias=self._kv_biases is not None, is_neox=bool(self._rotary.is_neox_style),
+        )
 
     def write(self, target_hidden, cache_loc, positions, cache_loc_2d=None, commit_lens=None) -> None:
         """What `_append_target_hidden_to_draft_kv_by_loc` does, with the per-layer work in one op.

@@ -17,6 +17,9 @@ Environment:
                            is created (the server refuses to start), instead of falling back to the
                            built-in worker with a warning. SGLang only logs errors raised inside
                            plugins, so the check runs in the hook, where an exception propagates.
+                           Likewise a kernel that fails the worker's start-up self-test
+                           (ops/self_test.py) raises SelfTestError instead of leaving that op to
+                           SGLang's own path.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ ENV_DISABLE = "SGLANG_DFLASH_DISABLE"
 ENV_STRICT = "SGLANG_DFLASH_STRICT"
 
 _registered = False
-_logged_worker = False
 
 
 class IncompatibleSGLangError(RuntimeError):
@@ -161,19 +163,4 @@ def _create_worker_around(original, algo, *args, **kwargs):
             ENV_STRICT,
         )
         return original(algo, *args, **kwargs)
-    _log_worker(cls, args[0] if args else kwargs.get("server_args"))
-    return cls
-
-
-def _log_worker(cls, server_args) -> None:
-    global _logged_worker
-    if _logged_worker:
-        return
-    _logged_worker = True
-    logger.info(
-        "sglang-dflash: speculative algorithm DFLASH runs worker %s.%s (SGLang %s, device %s)",
-        cls.__module__,
-        cls.__qualname__,
-        sglang_version(),
-        getattr(server_args, "device", None),
-    )
+    return cls  # its __init__ logs the line naming it, its device and the kernels it runs

@@ -13,14 +13,15 @@ vocabulary), `_append_target_hidden_to_draft_kv_by_loc` (context K/V through
   (with TP sync on, the argmax ids are computed and broadcast first, as SGLang does);
 - sampling (temperature / top-k / top-p per request): `verify_block`'s Gumbel-max sampling, one
   pass over the logits with no dense probability tensor. Noise is keyed by (seed, offset + row, id):
-  the seed is the server's `random_seed`; a request's offset is derived from its `sampling_seed`
+  the seed is SGLang's resolved random seed; a request's offset is derived from its `sampling_seed`
   and current length under deterministic inference (so each sample is keyed by its position),
   otherwise from a step counter and the request's row, so that no key repeats.
 
 Results go into SGLang's double-buffered outputs (`_next_accept_bonus_buffers`), and the decisions
 are broadcast from TP rank 0 at the same `SpecTpSyncSite`s SGLang uses. The parent handles what
 this class does not: selector / LiLiCorr (DFlash2) drafts, `SGLANG_SIMULATE_ACC_LEN`, non-default
-acceptance thresholds, devices our extension has no kernels for.
+acceptance thresholds, devices our extension has no kernels for, and any op of ours that failed its
+start-up self-test on this device (sglang_dflash/ops/self_test.py).
 
 Imported lazily by `plugin.py`, in the scheduler process only.
 """
@@ -32,6 +33,7 @@ import logging
 import os
 
 import torch
+from sglang.srt import runtime_context as _runtime_context
 from sglang.srt.speculative import dflash_worker_v2 as _sgl_worker
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite
@@ -90,6 +92,8 @@ def compatibility_problems() -> list[str]:
     for name in ("SIMULATE_ACC_LEN", "_is_all_greedy"):
         if not hasattr(_sgl_worker, name):
             problems.append(f"sglang.srt.speculative.dflash_worker_v2.{name} is missing")
+    if not callable(getattr(_runtime_context, "get_spec", None)):
+        problems.append("sglang.srt.runtime_context.get_spec is missing")
     try:
         from sglang_dflash._extension import ops
 
@@ -99,6 +103,15 @@ def compatibility_problems() -> list[str]:
     except Exception as exc:
         problems.append(f"the sglang_dflash extension cannot be loaded: {exc}")
     return problems
+
+
+def runner_device(model_runner) -> torch.device:
+    """The device a model runner computes on, with its index: SGLang keeps the type ("cuda") and
+    the index (gpu_id, made current at start-up) apart."""
+    device = torch.device(model_runner.device)
+    if device.type == "cpu" or device.index is not None:
+        return device
+    return torch.device(device.type, int(model_runner.gpu_id))
 
 
 def kernels_cover(device: torch.device) -> bool:
@@ -139,21 +152,48 @@ class DFlashKernelWorker(DFlashWorkerV2):
                             ", ".join(registered))
         super().__init__(*args, **kwargs)
         self._check_draft_matches_target()
-        self._init_dflash_kernels(self.server_args)
-        if torch.device(self.device).type == "cpu":
+        device = runner_device(self.model_runner)
+        if device.type == "cpu":
             from sglang_dflash.sglang.cpu import install_torch_cpu_shims
 
             install_torch_cpu_shims()
-        from sglang_dflash.sglang.attention import draft_attention_wanted, install_draft_attention
-
-        if draft_attention_wanted(self.device):
-            n_layers = install_draft_attention(self)
-            logger.info("sglang-dflash: %d draft attention layers run block_attention in TARGET_VERIFY", n_layers)
+        self._init_dflash_kernels(_runtime_context.get_spec(), self._self_test_kernels(device))
         self._init_draft_vocab()
         self._init_adaptive_block_size()
+        from sglang_dflash.sglang.plugin import sglang_version
+
+        logger.info("sglang-dflash: speculative algorithm DFLASH runs worker %s.%s (SGLang %s) on %s; "
+                    "sglang-dflash kernels run %s", type(self).__module__, type(self).__qualname__,
+                    sglang_version(), device, ", ".join(sorted(self._dflash_ops)) or "nothing")
+
+    def _self_test_kernels(self, device: torch.device) -> set[str]:
+        """Self-tests each op this worker would run on `device` (ops/self_test.py) and switches on
+        those that pass; the rest keep SGLang's own path. Returns the ops that run ours."""
+        from sglang_dflash.ops import self_test
+        from sglang_dflash.sglang import attention
         from sglang_dflash.sglang.context_kv import ContextKVWriter
 
-        self._context_kv = ContextKVWriter.for_worker(self)
+        plan = {}
+        if kernels_cover(device):
+            plan["verify_block"] = list(dict.fromkeys([torch.float32, self.model_runner.model_config.dtype]))
+            plan["verify_block_from_ids"] = [torch.int64]
+        attention_cases = attention.draft_attention_cases(self) if attention.draft_attention_wanted(device) else []
+        if attention_cases:
+            plan["block_attention"] = attention_cases
+        context_kv = ContextKVWriter.for_worker(self)
+        if context_kv is not None:
+            plan["materialize_context_kv"] = [context_kv.self_test_case()]
+        if device.type == "cpu":  # the draft head and, with SGLang's CPU engine, its linear layers
+            plan["skinny_linear"] = [self.model_runner.model_config.dtype]
+        ours = self_test.select(device, plan, fallback="SGLang's own path")
+        if "block_attention" in ours:
+            n_layers = attention.install_draft_attention(self)
+            logger.info("sglang-dflash: %d draft attention layers run block_attention in TARGET_VERIFY", n_layers)
+        self._context_kv = context_kv if "materialize_context_kv" in ours else None
+        if self._context_kv is not None:
+            logger.info("sglang-dflash: draft context K/V of %d layers through materialize_context_kv",
+                        len(self.draft_model.layers))
+        return ours
 
     def _init_draft_vocab(self) -> None:
         """The drafter's `draft_vocab.safetensors` (when its directory has one): drafts are picked
@@ -207,14 +247,16 @@ class DFlashKernelWorker(DFlashWorkerV2):
                 f"{', '.join(_CPU_KV_DTYPES)} KV caches"
             )
 
-    def _init_dflash_kernels(self, server_args) -> None:
-        seed = getattr(server_args, "random_seed", None)
-        self._dflash_seed = int(seed) if seed is not None else 0
+    def _init_dflash_kernels(self, spec, kernel_ops) -> None:
+        """`spec`: SGLang's resolved speculative settings (get_spec()); `kernel_ops`: the ops that
+        run ours on this worker's device."""
+        # SGLang's resolved seed: the target worker's, drawn at start-up when --random-seed is not
+        # given (server_args.random_seed stays None then) and the same on every TP rank.
+        self._dflash_seed = int(self._target_worker.random_seed)
         self._dflash_step = 0
-        self._dflash_thresholds = (
-            float(getattr(server_args, "speculative_accept_threshold_single", 1.0) or 1.0),
-            float(getattr(server_args, "speculative_accept_threshold_acc", 1.0) or 1.0),
-        )
+        self._dflash_thresholds = (float(spec.speculative_accept_threshold_single),
+                                   float(spec.speculative_accept_threshold_acc))
+        self._dflash_ops = frozenset(kernel_ops)
         self._dflash_logged = False
 
     # -- steps -----------------------------------------------------------------------------
@@ -277,20 +319,21 @@ class DFlashKernelWorker(DFlashWorkerV2):
 
     # -- decisions -------------------------------------------------------------------------
 
-    def _kernel_sampling_ok(self, device: torch.device) -> bool:
-        """Whether sampled verification runs on our kernels (lossless rule, covered device)."""
+    def _kernel_sampling_ok(self) -> bool:
+        """Whether sampled verification runs on our kernels: the lossless rule (any other
+        acceptance threshold is SGLang's), and a verify_block that passed its self-test."""
         return (
             getattr(self, "_selector_sample", None) is None
             and getattr(self, "selector", None) is None
             and getattr(self, "lilicorr", None) is None
             and self._dflash_thresholds == (1.0, 1.0)
-            and kernels_cover(device)
+            and "verify_block" in self._dflash_ops
         )
 
     def _validate_phase1_sampling_support(self, batch) -> None:
         # SGLang warns that sampled verification falls back to greedy where its sampling op is
         # missing (CPU); ours samples there, so only defer to it for what we do not cover.
-        if self._kernel_sampling_ok(torch.device(self.device)):
+        if self._kernel_sampling_ok():
             return
         super()._validate_phase1_sampling_support(batch)
 
@@ -316,49 +359,47 @@ class DFlashKernelWorker(DFlashWorkerV2):
                 target_predict=target_predict,
             )
 
-        if (
-            getattr(self, "_selector_sample", None) is not None
-            or _sgl_worker.SIMULATE_ACC_LEN > 0
-            or not kernels_cover(candidates.device)
-        ):
+        if getattr(self, "_selector_sample", None) is not None or _sgl_worker.SIMULATE_ACC_LEN > 0:
             return parent()
 
         from sglang_dflash import ops
 
         block = int(self.block_size)
-        cands = candidates.to(torch.int64).contiguous()
         greedy_site = getattr(SpecTpSyncSite, _GREEDY_SITE)
         sample_site = getattr(SpecTpSyncSite, _SAMPLE_SITE)
-
-        if target_predict is not None or _sgl_worker._is_all_greedy(sampling_info):
-            if target_predict is None and self._tp_sync.enabled(greedy_site):
-                # Keep SGLang's convention: rank 0's argmax ids are what every rank accepts.
-                target_predict = torch.argmax(next_token_logits, dim=-1)
-            if target_predict is not None:
-                target_predict = target_predict.view(bs, block)
-                self._tp_sync.sync(greedy_site, target_predict)
-                accept_len, bonus, out = ops.verify_block_from_ids(cands, target_predict)
-            else:
-                logits = next_token_logits
-                if logits.dtype not in _LOGIT_DTYPES:
-                    return parent()
-                dev = logits.device
-                accept_len, bonus, out = ops.verify_block(
-                    cands,
-                    logits.contiguous(),
-                    torch.zeros(bs, dtype=torch.float32, device=dev),
-                    torch.zeros(bs, dtype=torch.int32, device=dev),
-                    torch.ones(bs, dtype=torch.float32, device=dev),
-                    0,
-                    torch.zeros(bs, dtype=torch.int64, device=dev),
-                )
+        greedy = target_predict is not None or _sgl_worker._is_all_greedy(sampling_info)
+        # Greedy with TP sync keeps SGLang's convention: rank 0's argmax ids are what every rank accepts.
+        from_ids = greedy and (target_predict is not None or self._tp_sync.enabled(greedy_site))
+        if from_ids:
+            ours = "verify_block_from_ids" in self._dflash_ops
         else:
-            logits = next_token_logits
-            if not self._kernel_sampling_ok(cands.device) or logits.dtype not in _LOGIT_DTYPES:
-                return parent()
+            ours = next_token_logits.dtype in _LOGIT_DTYPES and (
+                "verify_block" in self._dflash_ops if greedy else self._kernel_sampling_ok())
+        if not ours:  # decided before any TP sync: SGLang's path then makes all of them
+            return parent()
+
+        cands = candidates.to(torch.int64).contiguous()
+        if from_ids:
+            if target_predict is None:
+                target_predict = torch.argmax(next_token_logits, dim=-1)
+            target_predict = target_predict.view(bs, block)
+            self._tp_sync.sync(greedy_site, target_predict)
+            accept_len, bonus, out = ops.verify_block_from_ids(cands, target_predict)
+        elif greedy:
+            dev = next_token_logits.device
+            accept_len, bonus, out = ops.verify_block(
+                cands,
+                next_token_logits.contiguous(),
+                torch.zeros(bs, dtype=torch.float32, device=dev),
+                torch.zeros(bs, dtype=torch.int32, device=dev),
+                torch.ones(bs, dtype=torch.float32, device=dev),
+                0,
+                torch.zeros(bs, dtype=torch.int64, device=dev),
+            )
+        else:
             temperature, top_k, top_p, offsets = self._sampling_args(sampling_info, prefix_lens, bs)
             accept_len, bonus, out = ops.verify_block(
-                cands, logits.contiguous(), temperature, top_k, top_p, self._dflash_seed, offsets
+                cands, next_token_logits.contiguous(), temperature, top_k, top_p, self._dflash_seed, offsets
             )
             if self._tp_sync.enabled(sample_site):
                 self._tp_sync.sync(sample_site, accept_len)
