@@ -5,13 +5,16 @@
 // under that noise, instead of its argmax, which only matches the target's sample with the
 // target's probability of that token.
 //
-// Noise is drawn only where it can matter: a column whose score is more than the largest possible
-// noise below the best score so far cannot win, and one whose cheap noise bound cannot reach the
-// best skips the two double logs (the same pruning as verify_block's sampler; results are exact).
+// The search is gumbel_max.h's (the same as verify_block's sampler; results are exact).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
 #include "cpu_kernels.h"
+#include "gumbel_max.h"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
 #include "sglang_dflash/sampling.h"
@@ -19,42 +22,80 @@
 namespace sglang_dflash::cpu {
 namespace {
 
-template <typename scalar_t>
-int64_t row_gumbel_argmax(const scalar_t* x, const int64_t* ids, int64_t n, uint64_t seed, uint64_t offset,
-                          uint32_t row) {
-  auto id_of = [&](int64_t j) { return ids == nullptr ? j : ids[j]; };
-  auto noise_bits = [&](int64_t j) {
-    uint32_t lanes[4];
-    const int64_t id = id_of(j);
-    philox_lanes4(seed, offset, row, static_cast<uint32_t>(id / 4), lanes);
-    return lanes[id % 4];
-  };
-  // Seed the search with the largest score (first of ties, never NaN) so the pruning bound is
-  // tight from the start.
-  int64_t best_j = 0;
+using Vec = at::vec::Vectorized<float>;
+
+// Lowest index of the largest non-NaN value (-inf counts), 0 if every value is NaN. Each lane
+// keeps its running max and the first index where it occurred (exact in fp32 below 2^24, so the
+// vector loop stops there), then the lanes merge.
+int64_t first_max_ignoring_nan(const float* x, int64_t n) {
+  constexpr int64_t W = Vec::size();
   float top = -INFINITY;
-  bool found = false;
-  for (int64_t j = 0; j < n; ++j) {
-    const float s = static_cast<float>(x[j]);
-    if (s > top || (!found && s == top)) {
-      top = s;
-      best_j = j;
-      found = true;
+  int64_t top_id = -1, j = 0;
+  if (n >= W) {
+    float lane_max[W], lane_idx[W];
+    Vec vmax(-INFINITY), vidx(INFINITY), cur = Vec::arange(0.0f, 1.0f);
+    const Vec step(static_cast<float>(W));
+    for (; j + W <= std::min<int64_t>(n, int64_t{1} << 24); j += W, cur += step) {
+      const Vec xv = Vec::loadu(x + j);
+      // -inf is taken by the first index that holds it, as any larger value is.
+      const Vec better = (xv > vmax) | ((xv == vmax) & (vidx == Vec(INFINITY)));
+      vmax = Vec::blendv(vmax, xv, better);
+      vidx = Vec::blendv(vidx, cur, better);
+    }
+    vmax.store(lane_max);
+    vidx.store(lane_idx);
+    for (int64_t lane = 0; lane < W; ++lane) {
+      if (lane_idx[lane] == INFINITY) continue;
+      const auto id = static_cast<int64_t>(lane_idx[lane]);
+      if (top_id < 0 || lane_max[lane] > top || (lane_max[lane] == top && id < top_id)) {
+        top = lane_max[lane];
+        top_id = id;
+      }
     }
   }
-  float best = static_cast<float>(x[best_j]) + gumbel_from_bits(noise_bits(best_j));
-  for (int64_t j = 0; j < n; ++j) {
-    const float s = static_cast<float>(x[j]);
-    if (s + kMaxGumbelNoise < best) continue;
-    const uint32_t bits = noise_bits(j);
-    if (s + gumbel_upper_bound(bits) < best) continue;
-    const float score = s + gumbel_from_bits(bits);
-    if (score > best || (score == best && j < best_j)) {
-      best = score;
-      best_j = j;
+  for (; j < n; ++j) {
+    if (x[j] > top || (top_id < 0 && x[j] == top)) {
+      top = x[j];
+      top_id = j;
     }
   }
-  return best_j;
+  return std::max<int64_t>(top_id, 0);
+}
+
+int64_t row_gumbel_argmax(const float* x, const int64_t* ids, int64_t n, const NoiseKey& key) {
+  // Seed the search with the largest score so the pruning bound is tight from the start.
+  const int64_t top = first_max_ignoring_nan(x, n);
+  const int64_t top_id = ids == nullptr ? top : ids[top];
+  uint32_t lanes[4];
+  philox_lanes4(key.seed, key.offset, key.row, static_cast<uint32_t>(top_id / 4), lanes);
+  GumbelMax search{-INFINITY, x[top] + gumbel_from_bits(lanes[top_id % 4]), top};
+  if (ids == nullptr) {
+    search.run(x, 1.0f, n, key);
+  } else {
+    search.run(x, ids, n, key);
+  }
+  return search.best_id;
+}
+
+template <typename scalar_t>
+void gumbel_argmax_rows(const scalar_t* x, int64_t stride, int64_t rows, int64_t cols,
+                        const int64_t* ids, uint64_t seed, const int64_t* offsets,
+                        const int64_t* row_ids, int64_t* out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(std::is_same_v<scalar_t, float> ? 0 : cols);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* src = x + r * stride;
+      const float* row_x;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        row_x = src;
+      } else {
+        for (int64_t j = 0; j < cols; ++j) buf[j] = static_cast<float>(src[j]);
+        row_x = buf.data();
+      }
+      out[r] = row_gumbel_argmax(
+          row_x, ids, cols, {seed, static_cast<uint64_t>(offsets[r]), static_cast<uint32_t>(row_ids[r])});
+    }
+  });
 }
 
 }  // namespace
@@ -72,13 +113,8 @@ at::Tensor gumbel_argmax(const at::Tensor& scores, const std::optional<at::Tenso
   int64_t* o = out.mutable_data_ptr<int64_t>();
   const int64_t stride = scores.stride(0);
   SGLD_DISPATCH_FLOAT_TYPES(scores.scalar_type(), "gumbel_argmax", [&] {
-    const scalar_t* x = scores.const_data_ptr<scalar_t>();
-    at::parallel_for(0, shape.rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        o[r] = row_gumbel_argmax(x + r * stride, id, shape.cols, static_cast<uint64_t>(seed),
-                                 static_cast<uint64_t>(offset[r]), static_cast<uint32_t>(row[r]));
-      }
-    });
+    gumbel_argmax_rows(scores.const_data_ptr<scalar_t>(), stride, shape.rows, shape.cols, id,
+                       static_cast<uint64_t>(seed), offset, row, o);
   });
   return out;
 }

@@ -1,15 +1,20 @@
 // CPU verification (DESIGN.md 3.2). One task per request. The target's token of row i is only
 // needed while the drafts still agree, so rows are sampled lazily inside the accept scan and the
-// logits of rows past the first disagreement are never read.
+// logits of rows past the first disagreement are not read; with fewer requests than threads, a
+// sampled request's rows are sampled in parallel waves instead (see verify_kernel). The
+// Gumbel-max search itself is gumbel_max.h's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "gumbel_max.h"
 #include "sglang_dflash/accept.h"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
@@ -20,18 +25,20 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
-// Lowest index of the maximum: the greedy token. One pass: each lane keeps its running max and
-// the first index where it occurred (indices < 2^24 are exact in fp32), then the lanes merge.
-int64_t row_argmax(const float* x, int64_t n) {
+// Lowest index of the maximum of x[0, n), read through load(v) (a Vec of x[v, v + W)) and
+// load1(v) (x[v]), each index exactly once. One pass: each lane keeps its running max and the
+// first index where it occurred (indices < 2^24 are exact in fp32), then the lanes merge.
+template <typename Load, typename Load1>
+int64_t argmax_of(int64_t n, Load load, Load1 load1) {
   constexpr int64_t W = Vec::size();
-  float best = x[0];
-  int64_t best_id = 0, v = 0;
+  float best;
+  int64_t best_id = 0, v;
   if (n >= W) {
     float lane_max[W], lane_idx[W];
-    Vec vidx = Vec::arange(0.0f, 1.0f), cur = vidx, vmax = Vec::loadu(x);
+    Vec vidx = Vec::arange(0.0f, 1.0f), cur = vidx, vmax = load(0);
     const Vec step(static_cast<float>(W));
     for (v = W, cur += step; v + W <= n; v += W, cur += step) {
-      const Vec xv = Vec::loadu(x + v);
+      const Vec xv = load(v);
       const Vec better = xv > vmax;
       vmax = Vec::blendv(vmax, xv, better);
       vidx = Vec::blendv(vidx, cur, better);
@@ -47,37 +54,65 @@ int64_t row_argmax(const float* x, int64_t n) {
         best_id = id;
       }
     }
+  } else {
+    best = load1(0);
+    v = 1;
   }
   for (; v < n; ++v) {
-    if (x[v] > best) {
-      best = x[v];
+    const float xv = load1(v);
+    if (xv > best) {
+      best = xv;
       best_id = v;
     }
   }
   return best_id;
 }
 
-// Number of x >= t.
+// The greedy token.
+int64_t row_argmax(const float* x, int64_t n) {
+  return argmax_of(
+      n, [x](int64_t v) { return Vec::loadu(x + v); }, [x](int64_t v) { return x[v]; });
+}
+
+// Number of x >= t. Four accumulators: the counts are integers below 2^24, exact in fp32 in any
+// order, so the adds need not wait on each other.
 int64_t count_at_least(const float* x, int64_t n, float t) {
+  constexpr int64_t W = Vec::size();
   const Vec vt(t), one(1.0f);
-  Vec vcount(0.0f);
+  Vec c0(0.0f), c1(0.0f), c2(0.0f), c3(0.0f);
   int64_t v = 0;
-  for (; v + Vec::size() <= n; v += Vec::size()) vcount += (Vec::loadu(x + v) >= vt) & one;
+  for (; v + 4 * W <= n; v += 4 * W) {
+    c0 += (Vec::loadu(x + v) >= vt) & one;
+    c1 += (Vec::loadu(x + v + W) >= vt) & one;
+    c2 += (Vec::loadu(x + v + 2 * W) >= vt) & one;
+    c3 += (Vec::loadu(x + v + 3 * W) >= vt) & one;
+  }
+  for (; v + W <= n; v += W) c0 += (Vec::loadu(x + v) >= vt) & one;
   int64_t count = static_cast<int64_t>(
-      at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vcount));
+      at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, (c0 + c1) + (c2 + c3)));
   for (; v < n; ++v) count += x[v] >= t;
   return count;
 }
 
-// Sum of e[v] over x[v] > t.
-float sum_above(const float* x, const float* e, int64_t n, float t) {
-  const Vec vt(t);
-  Vec vsum(0.0f);
+// Sum of e[v] over x[v] > t[j] for each of K thresholds, every sum added in the same order
+// whatever K is (vector lane l adds the e[v] of v = l mod W in order, vec_reduce_all sums the
+// lanes, then the tail follows in order). A sum is a chain of dependent adds, latency-bound: K
+// independent chains in one pass cost about what one does.
+template <int K>
+std::array<float, K> sum_above(const float* x, const float* e, int64_t n,
+                               const std::array<float, K>& t) {
+  std::array<Vec, K> vt, vsum;
+  for (int j = 0; j < K; ++j) vt[j] = Vec(t[j]), vsum[j] = Vec(0.0f);
   int64_t v = 0;
-  for (; v + Vec::size() <= n; v += Vec::size())
-    vsum += (Vec::loadu(x + v) > vt) & Vec::loadu(e + v);
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-  for (; v < n; ++v) sum += x[v] > t ? e[v] : 0.0f;
+  for (; v + Vec::size() <= n; v += Vec::size()) {
+    const Vec xv = Vec::loadu(x + v), ev = Vec::loadu(e + v);
+    for (int j = 0; j < K; ++j) vsum[j] += (xv > vt[j]) & ev;
+  }
+  std::array<float, K> sum;
+  for (int j = 0; j < K; ++j) {
+    sum[j] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum[j]);
+    for (int64_t u = v; u < n; ++u) sum[j] += x[u] > t[j] ? e[u] : 0.0f;
+  }
   return sum;
 }
 
@@ -107,15 +142,24 @@ float top_p_threshold(const float* x, float* e, int64_t n, float floor, float ma
     ((xv >= vfloor) & (xv - vmax).exp()).store(e + v);
   }
   for (; v < n; ++v) e[v] = x[v] >= floor ? std::exp(x[v] - max) : 0.0f;
-  const float target = top_p * sum_above(x, e, n, -INFINITY);
+  const float target = top_p * sum_above<1>(x, e, n, {-INFINITY})[0];
+  // The smallest key in [lo, hi) whose mass is below target, or hi. The mass is nonincreasing in
+  // the key (fp32 rounding is monotone), so any probes in [lo, hi) narrow it down to the same key
+  // a bisection finds: four per pass split the range in five, ~14 passes instead of 32, each
+  // about as fast.
   uint64_t lo = float_to_key(floor), hi = float_to_key(max);
   while (lo < hi) {
-    const uint64_t mid = lo + (hi - lo) / 2;
-    if (sum_above(x, e, n, key_to_float(static_cast<uint32_t>(mid))) < target) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
+    std::array<uint64_t, 4> probe;
+    std::array<float, 4> t;
+    for (int j = 0; j < 4; ++j) {
+      probe[j] = lo + (hi - lo) * (j + 1) / 5;
+      t[j] = key_to_float(static_cast<uint32_t>(probe[j]));
     }
+    const std::array<float, 4> mass = sum_above<4>(x, e, n, t);
+    int j = 0;  // the first probe that meets the test (the probes are in increasing order)
+    while (j < 4 && !(mass[j] < target)) ++j;
+    if (j > 0) lo = probe[j - 1] + 1;
+    if (j < 4) hi = probe[j];
   }
   return key_to_float(static_cast<uint32_t>(lo));
 }
@@ -127,13 +171,28 @@ struct SamplingParams {
   uint64_t seed, offset;
 };
 
-// Gumbel-max sample of one row over the tokens the top-k / top-p filters keep. `x` holds the
-// row's logits and is overwritten with logits / temperature; `e` is scratch of the same size.
-int64_t sample_row(float* x, float* e, int64_t n, uint32_t row, const SamplingParams& p) {
+// Gumbel-max sample of one row of logits `src` over the tokens the top-k / top-p filters keep,
+// with x = logits * (1 / temperature) in fp32. x and e are scratch rows (src may be x): with
+// filters on, x is written there for their searches; without, it is recomputed where needed,
+// which is cheaper than writing it and reading it back.
+int64_t sample_row(const float* src, float* x, float* e, int64_t n, uint32_t row,
+                   const SamplingParams& p) {
   const float inv_t = 1.0f / p.temperature;
-  for (int64_t v = 0; v < n; ++v) x[v] *= inv_t;
-  const int64_t first_max = row_argmax(x, n);
-  const float max = x[first_max];
+  const bool filtered = (p.top_k > 0 && p.top_k < n) || p.top_p < 1.0f;
+  const Vec vinv(inv_t);
+  const int64_t first_max = argmax_of(
+      n,
+      [&](int64_t v) {
+        const Vec xv = Vec::loadu(src + v) * vinv;
+        if (filtered) xv.store(x + v);
+        return xv;
+      },
+      [&](int64_t v) {
+        const float xv = src[v] * inv_t;
+        if (filtered) x[v] = xv;
+        return xv;
+      });
+  const float max = filtered ? x[first_max] : src[first_max] * inv_t;  // src may be x, rescaled
   float floor = -INFINITY;
   if (p.top_k > 0 && p.top_k < n) floor = kth_largest(x, n, p.top_k, max);
   if (p.top_p < 1.0f) floor = top_p_threshold(x, e, n, floor, max, p.top_p);
@@ -141,26 +200,13 @@ int64_t sample_row(float* x, float* e, int64_t n, uint32_t row, const SamplingPa
   // Seed the search with the most likely token so the pruning bound is tight from the start.
   uint32_t lanes[4];
   philox_lanes4(p.seed, p.offset, row, static_cast<uint32_t>(first_max / 4), lanes);
-  float best = max + gumbel_from_bits(lanes[first_max % 4]);
-  int64_t best_id = first_max;
-  for (int64_t group = 0; group * 4 < n; ++group) {
-    const int64_t end = std::min<int64_t>(n, group * 4 + 4);
-    bool any = false;
-    for (int64_t v = group * 4; v < end; ++v) any |= x[v] >= floor && x[v] + kMaxGumbelNoise >= best;
-    if (!any) continue;
-    philox_lanes4(p.seed, p.offset, row, static_cast<uint32_t>(group), lanes);
-    for (int64_t v = group * 4; v < end; ++v) {
-      const uint32_t bits = lanes[v - group * 4];
-      // The exact noise (two double logs) only for tokens whose noise bound can still win.
-      if (x[v] < floor || x[v] + gumbel_upper_bound(bits) < best) continue;
-      const float score = x[v] + gumbel_from_bits(bits);
-      if (score > best || (score == best && v < best_id)) {
-        best = score;
-        best_id = v;
-      }
-    }
+  GumbelMax search{floor, max + gumbel_from_bits(lanes[first_max % 4]), first_max};
+  if (filtered) {
+    search.run(x, 1.0f, n, NoiseKey{p.seed, p.offset, row});
+  } else {
+    search.run(src, inv_t, n, NoiseKey{p.seed, p.offset, row});
   }
-  return best_id;
+  return search.best_id;
 }
 
 template <typename scalar_t>
@@ -177,28 +223,59 @@ void verify_kernel(const at::Tensor& candidates, const at::Tensor& logits,
   const float* topp = top_p.data_ptr<float>();
   const int64_t* offset = offsets.data_ptr<int64_t>();
 
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(vocab), e(vocab);
-    for (int64_t b = begin; b < end; ++b) {
-      const SamplingParams params{temp[b], topk[b], topp[b], seed, static_cast<uint64_t>(offset[b])};
-      auto target = [&](int i) -> int64_t {
-        const scalar_t* src = logit_ptr + (b * block + i) * row_stride;
-        const float* row;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          row = src;
-          if (params.temperature > 0.0f) std::copy(src, src + vocab, x.data());
-        } else {
-          for (int64_t v = 0; v < vocab; ++v) x[v] = static_cast<float>(src[v]);
-          row = x.data();
-        }
-        if (params.temperature <= 0.0f) return row_argmax(row, vocab);
-        return sample_row(x.data(), e.data(), vocab, static_cast<uint32_t>(i), params);
-      };
-      bonus.data_ptr<int64_t>()[b] =
-          accept_block(cand + b * block, static_cast<int>(block), target,
-                       out_tokens.data_ptr<int64_t>() + b * block, accept_len.data_ptr<int32_t>() + b);
+  // The target's token of row i of request b; x and e are scratch rows.
+  auto row_token = [&](int64_t b, int i, float* x, float* e) -> int64_t {
+    const scalar_t* src = logit_ptr + (b * block + i) * row_stride;
+    const float* row;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      row = src;
+    } else {
+      for (int64_t v = 0; v < vocab; ++v) x[v] = static_cast<float>(src[v]);
+      row = x;
     }
-  });
+    if (temp[b] <= 0.0f) return row_argmax(row, vocab);
+    const SamplingParams params{temp[b], topk[b], topp[b], seed, static_cast<uint64_t>(offset[b])};
+    return sample_row(row, x, e, vocab, static_cast<uint32_t>(i), params);
+  };
+  auto accept = [&](int64_t b, auto target) {
+    bonus.data_ptr<int64_t>()[b] = accept_block(cand + b * block, static_cast<int>(block), target,
+                                                out_tokens.data_ptr<int64_t>() + b * block,
+                                                accept_len.data_ptr<int32_t>() + b);
+  };
+
+  // Scratch rows are left uninitialized: pages nothing touches (greedy fp32 rows) cost nothing.
+  auto scratch = [vocab] { return std::make_unique_for_overwrite<float[]>(vocab); };
+  const int threads = at::get_num_threads();
+  if (batch >= threads) {  // one task per request
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      const auto x = scratch(), e = scratch();
+      for (int64_t b = begin; b < end; ++b) {
+        accept(b, [&](int i) { return row_token(b, i, x.get(), e.get()); });
+      }
+    });
+    return;
+  }
+  // Fewer requests than threads: a sampled request's rows go in waves of `threads` rows at once.
+  // Sampling a row is compute-bound (Philox), so this divides its time by the thread count; the
+  // rows of a wave past the first rejection are computed for nothing, on threads that would
+  // otherwise idle. Greedy rows stay one at a time: they are cheap and memory-bound.
+  std::vector<std::unique_ptr<float[]>> xs(threads), es(threads);
+  for (int t = 0; t < threads; ++t) xs[t] = scratch(), es[t] = scratch();
+  std::vector<int64_t> tokens(block);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int wave = temp[b] > 0.0f ? threads : 1;
+    int64_t ready = 0;  // tokens[0, ready) are this request's
+    accept(b, [&](int i) {
+      if (i >= ready) {
+        ready = std::min<int64_t>(block, i + wave);
+        at::parallel_for(i, ready, 1, [&](int64_t begin, int64_t end) {
+          float *x = xs[at::get_thread_num()].get(), *e = es[at::get_thread_num()].get();
+          for (int64_t r = begin; r < end; ++r) tokens[r] = row_token(b, static_cast<int>(r), x, e);
+        });
+      }
+      return tokens[i];
+    });
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_results(const at::Tensor& candidates) {

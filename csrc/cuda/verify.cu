@@ -4,8 +4,8 @@
 //  - greedy (temperature <= 0): one pass, block argmax, lowest index on ties.
 //  - temperature only: pass 1 gives max / argmax of x = logit * (1 / T) (fp32, as on the CPU);
 //    pass 2 draws the Gumbel noise of sampling.h for the tokens that can still win (the
-//    kMaxGumbelNoise bound, seeded with the argmax's score) and reduces argmax(x + g), lowest
-//    index on ties.
+//    kMaxGumbelNoise bound, seeded with the argmax's score, then per token gumbel_upper_bound
+//    before the exact noise's double logs) and reduces argmax(x + g), lowest index on ties.
 //  - top-k / top-p: pass 1 also builds a histogram of the order-preserving keys of x (top 12
 //    bits). From it we pick the lowest bin edge L whose suffix holds at most kCap tokens; pass 2
 //    compacts the tokens with x >= L into shared memory (in vocabulary order, by a block scan, so
@@ -136,9 +136,9 @@ __device__ __forceinline__ void unpack16(const uint4& u, float out[16 / sizeof(T
   }
 }
 
-// noise[lane] for a lane known only at run time, kept in registers.
-__device__ __forceinline__ float pick4(const float noise[4], int lane) {
-  return lane == 0 ? noise[0] : lane == 1 ? noise[1] : lane == 2 ? noise[2] : noise[3];
+// lanes[lane] for a lane known only at run time, kept in registers.
+__device__ __forceinline__ uint32_t pick4(const uint32_t lanes[4], int lane) {
+  return lane == 0 ? lanes[0] : lane == 1 ? lanes[1] : lane == 2 ? lanes[2] : lanes[3];
 }
 
 template <typename T>
@@ -233,10 +233,26 @@ __device__ float top_p_search(const Src& src, uint64_t lo, uint64_t hi, float fl
 struct RowRng {
   uint64_t seed, offset;
   uint32_t row;
-  __device__ __forceinline__ void noise4(uint32_t group, float out[4]) const {
-    gumbel_noise4(seed, offset, row, group, out);
+  // The Philox lanes of vocab ids 4 * group .. 4 * group + 3 (sampling.h).
+  __device__ __forceinline__ void lanes4(uint32_t group, uint32_t out[4]) const {
+    philox_lanes4(seed, offset, row, group, out);
+  }
+  // The Philox lane of vocab id v.
+  __device__ __forceinline__ uint32_t bits(int v) const {
+    uint32_t lanes[4];
+    lanes4(static_cast<uint32_t>(v / 4), lanes);
+    return pick4(lanes, v % 4);
   }
 };
+
+// Adds token v with scaled logit x and noise lane `bits` to a thread's running Gumbel-max. The
+// exact noise (two double logs) is drawn only when the cheap bound of sampling.h can still reach
+// the thread's best: otherwise the token scores strictly below a score that exists, so it cannot
+// be the row's winner.
+__device__ __forceinline__ void consider_noisy(Best& best, float x, uint32_t bits, int v) {
+  if (x + gumbel_upper_bound(bits) < best.value) return;
+  consider(best, __fadd_rn(x, gumbel_from_bits(bits)), v);
+}
 
 // Gumbel-max over the row in global memory, tokens with x >= floor; one Philox block per group of
 // four ids, skipped when none of the four can beat the best score so far (kMaxGumbelNoise bound).
@@ -257,12 +273,12 @@ __device__ Best gumbel_global(const GlobalRow<T>& row, float floor, Best seed_be
       any |= v < row.vocab && x[j] >= floor && x[j] + kMaxGumbelNoise >= best.value;
     }
     if (!any) continue;
-    float noise[4];
-    rng.noise4(static_cast<uint32_t>(g), noise);
+    uint32_t lanes[4];
+    rng.lanes4(static_cast<uint32_t>(g), lanes);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t v = g * 4 + j;
-      if (v < row.vocab && x[j] >= floor) consider(best, __fadd_rn(x[j], noise[j]), static_cast<int>(v));
+      if (v < row.vocab && x[j] >= floor) consider_noisy(best, x[j], lanes[j], static_cast<int>(v));
     }
   }
   return block_best<kWarps>(best, s.best);
@@ -273,11 +289,7 @@ __device__ Best gumbel_smem(const SmemSet& set, float floor, Best seed_best, con
                             Scratch& s) {
   Best best = seed_best;
   set.for_each([&](float x, int v) {
-    if (x >= floor && x + kMaxGumbelNoise >= best.value) {
-      float noise[4];
-      rng.noise4(static_cast<uint32_t>(v / 4), noise);
-      consider(best, __fadd_rn(x, pick4(noise, v % 4)), v);
-    }
+    if (x >= floor && x + kMaxGumbelNoise >= best.value) consider_noisy(best, x, rng.bits(v), v);
   });
   return block_best<kWarps>(best, s.best);
 }
@@ -333,9 +345,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
   top = block_best<kWarps>(top, s.best);  // its barriers also publish the histogram
   if (top.index == INT_MAX) top.index = 0;  // NaN-only row: any id (the CPU twin's is undefined too)
   const float max = top.value;
-  float noise[4];
-  rng.noise4(static_cast<uint32_t>(top.index / 4), noise);
-  const Best seed_best{__fadd_rn(max, pick4(noise, top.index % 4)), top.index};
+  const Best seed_best{__fadd_rn(max, gumbel_from_bits(rng.bits(top.index))), top.index};
 
   if (!filtered) {
     const Best best = gumbel_global(src, -INFINITY, seed_best, rng, s);

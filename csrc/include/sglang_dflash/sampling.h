@@ -44,17 +44,9 @@ SGLD_HOST_DEVICE float gumbel_upper_bound(uint32_t bits) {
   return -logf(w + 0.5f * w * w) + 1e-3f;
 }
 
-// Gumbel noise for the four vocab ids of one Philox block (see philox_lanes4).
-SGLD_HOST_DEVICE void gumbel_noise4(uint64_t seed, uint64_t offset, uint32_t row, uint32_t group,
-                                    float noise[4]) {
-  uint32_t lanes[4];
-  philox_lanes4(seed, offset, row, group, lanes);
-  for (int lane = 0; lane < 4; ++lane) noise[lane] = gumbel_from_bits(lanes[lane]);
-}
-
-// Upper bound of any value gumbel_noise4 returns: -log(-log(1 - 2^-24)) = 16.6355. A token whose
-// scaled logit is more than this below the best score found so far cannot win the Gumbel-max, so
-// its noise need not be drawn; skipping it leaves the result exactly the same.
+// Upper bound of any value gumbel_from_bits returns: -log(-log(1 - 2^-24)) = 16.6355. A token
+// whose scaled logit is more than this below the best score found so far cannot win the
+// Gumbel-max, so its noise need not be drawn; skipping it leaves the result exactly the same.
 constexpr float kMaxGumbelNoise = 16.7f;
 
 // Maps floats to unsigned keys with the same order (-inf < ... < -0 < +0 < ... < +inf), so a
