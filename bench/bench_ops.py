@@ -54,7 +54,10 @@ ATTENTION_SHAPES = [
 VERIFY_SHAPES = [
     (8, 16, 151936, 0.0, "agree"),
     (8, 16, 151936, 0.0, "random"),
+    (1, 16, 151936, 0.0, "agree"),
     (1, 16, 151936, 1.0, "agree"),
+    (8, 16, 151936, 1.0, "agree"),
+    (8, 16, 151936, 1.0, "random"),
 ]
 # (rows, N, K, copies, dtype): SmolLM2-135M's LM head, and its 30 layers' MLP up projections.
 LINEAR_SHAPES = [
