@@ -37,7 +37,8 @@ def git_state() -> dict:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines()]
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(changed), "changed_files": changed}
 
 
 def versions() -> dict[str, str | None]:
