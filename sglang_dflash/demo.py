@@ -8,8 +8,8 @@ import textwrap
 
 from sglang_dflash.train.code_prompts import complete_function_prompt
 
-# The shipped drafter's fastest block size on a 2-core CPU: B 3-5 tie, B 8 verifies more tokens
-# than it gets accepted (bench/results/e2e_smollm2-135m_block_sweep.json).
+# Among the shipped drafter's fastest block sizes on a 2-core CPU: B 3-6 are within noise of each
+# other, B 8 verifies more tokens than it gets accepted (bench/results/e2e_smollm2-135m_block_sweep.json).
 DEMO_BLOCK_SIZE = 4
 
 DEMO_PROMPTS = [
