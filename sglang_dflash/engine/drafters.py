@@ -61,7 +61,7 @@ class DFlashDrafter:
 
     def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int,
                 sampling: DraftSampling | None = None) -> torch.Tensor:
-        self._append_pending()
+        self.append_pending()
         rows = torch.tensor([self._rows[r] for r in reqs], device=anchors.device)
         block = torch.full((len(reqs), block_size), self.model.config.mask_token_id, device=anchors.device)
         block[:, 0] = anchors
@@ -89,7 +89,8 @@ class DFlashDrafter:
         for b, (r, n) in enumerate(zip(reqs, counts, strict=True)):
             self._pending.setdefault(r, []).append(taps[b, :n])
 
-    def _append_pending(self) -> None:
+    def append_pending(self) -> None:
+        """Append the context of every committed token not appended yet (propose does it first)."""
         if self._pending:
             reqs, taps = list(self._pending), [torch.cat(t) for t in self._pending.values()]
             self.model.append_context([self._rows[r] for r in reqs], [t.shape[0] for t in taps], torch.cat(taps))

@@ -201,7 +201,14 @@ class Generator:
                 for r in active:
                     results[r].decisions.append(self.controller.last_decision)
             candidates = anchors[:, None]
+            deferred_s = 0.0
             if block > 1:
+                # The context appends the drafter deferred through plain steps: their cost belongs
+                # to those steps' tokens, not to this block size (else plain steps look cheaper
+                # than they are and every draft step after them dearer).
+                t_append = time.perf_counter()
+                getattr(drafter, "append_pending", lambda: None)()
+                deferred_s = time.perf_counter() - t_append
                 sampling = DraftSampling(params.temperature, params.seed, offsets) if params.temperature > 0 else None
                 candidates = torch.cat([candidates, drafter.propose(active, anchors, start_t, block, sampling)], dim=1)
             t1 = time.perf_counter()
@@ -227,7 +234,7 @@ class Generator:
                                None if step_taps is None else step_taps[keep_rows])
             t3 = time.perf_counter()
             if self.controller is not None:
-                self.controller.observe(block, accept_len, t3 - t0)
+                self.controller.observe(block, accept_len, t3 - t0 - deferred_s)
             running = set(still)
             for r in active:
                 results[r].stats.draft_s += (t1 - t0) + (t3 - t2)

@@ -157,11 +157,26 @@ class DFlashKernelWorker(DFlashWorkerV2):
             from sglang_dflash.sglang.cpu import install_torch_cpu_shims
 
             install_torch_cpu_shims()
-        self._init_dflash_kernels(_runtime_context.get_spec(), self._self_test_kernels(device))
+        self._dflash_device = device
+        self._context_kv = None
+        self._init_dflash_kernels(_runtime_context.get_spec(), ())  # SGLang's path until the self-test
         self._init_draft_vocab()
         self._init_adaptive_block_size()
+        if getattr(self.draft_model_runner, "token_to_kv_pool", None) is not None:
+            self._start_dflash_kernels()
+
+    def alloc_memory_pool(self, *args, **kwargs):
+        # SGLang allocates the KV pools after building the worker; the self-test needs their dtypes.
+        super().alloc_memory_pool(*args, **kwargs)
+        if getattr(self, "_dflash_device", None) is not None and not self._dflash_ops:  # not inside __init__
+            self._start_dflash_kernels()
+
+    def _start_dflash_kernels(self) -> None:
+        """Self-tests our kernels on this worker's device and switches on those that pass."""
         from sglang_dflash.sglang.plugin import sglang_version
 
+        device = self._dflash_device
+        self._init_dflash_kernels(_runtime_context.get_spec(), self._self_test_kernels(device))
         logger.info("sglang-dflash: speculative algorithm DFLASH runs worker %s.%s (SGLang %s) on %s; "
                     "sglang-dflash kernels run %s", type(self).__module__, type(self).__qualname__,
                     sglang_version(), device, ", ".join(sorted(self._dflash_ops)) or "nothing")
