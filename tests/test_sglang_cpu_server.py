@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,18 @@ def test_sampled_requests_complete(servers):
         assert out["meta_info"]["spec_accept_length"] >= 1.0
     log = spec.text()
     assert "falling back to greedy" not in log
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ({"text": ""}, "the prompt is empty: it must have at least one token"),
+    ({"input_ids": [5, VOCAB + 5]}, f"prompt token id {VOCAB + 5} is outside the vocabulary [0, {VOCAB})"),
+])
+def test_prompts_that_crash_stock_sglang_get_a_400_and_the_server_keeps_serving(servers, prompt, message):
+    for server in servers:  # with speculation and without: both run the plugin
+        with pytest.raises(urllib.error.HTTPError) as err:
+            server.post("/generate", {**prompt, "sampling_params": {"max_new_tokens": 4}})
+        assert err.value.code == 400 and message in err.value.read().decode()
+        assert len(_generate(server, PROMPTS[0], max_new_tokens=4)["output_ids"]) == 4
 
 
 def test_server_shuts_down_cleanly(servers):

@@ -79,10 +79,10 @@ def sglang_plugins(tmp_path, monkeypatch):
 
     import pkgutil
 
-    from sglang_dflash.sglang import cpu
+    from sglang_dflash.sglang import cpu, request_checks
 
     saved_attrs = []
-    for target in [plugin.HOOK_TARGET] + [t for t, _ in cpu.HOOKS]:
+    for target in [plugin.HOOK_TARGET, request_checks.HOOK_TARGET] + [t for t, _ in cpu.HOOKS]:
         owner_path, name = target.rsplit(".", 1)
         owner = pkgutil.resolve_name(owner_path)
         saved_attrs.append((owner, name, owner.__dict__[name]))
@@ -762,3 +762,27 @@ def test_strict_self_test_failure_stops_the_worker(fresh_kernels, monkeypatch):
     monkeypatch.setenv("SGLANG_DFLASH_STRICT", "1")
     with pytest.raises(SelfTestError, match=r"self-test failed on cpu: verify_block_from_ids \(torch\.int64: raised"):
         _self_tested_worker(monkeypatch, break_op="verify_block_from_ids")
+
+
+def test_prompts_that_would_crash_the_scheduler_are_refused_in_the_tokenizer(sglang_plugins):
+    """Empty and out-of-vocabulary prompts raise the ValueError SGLang answers with HTTP 400 (the
+    real server's answer is in test_sglang_cpu_server.py); multimodal and input_embeds requests
+    pass through untouched."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from sglang_dflash.sglang import request_checks
+
+    sglang_plugins.load_plugins()
+    hooks = sglang_plugins.HookRegistry._hooks.get(request_checks.HOOK_TARGET, [])
+    assert [h for _, h, _ in hooks] == [request_checks._before_validate]
+    assert TokenizerManager._validate_one_request is not None
+    manager = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=100))
+    text = types.SimpleNamespace(image_data=None, video_data=None, audio_data=None)
+    with pytest.raises(ValueError, match=r"^the prompt is empty: it must have at least one token$"):
+        request_checks._before_validate(manager, text, [])
+    for ids, bad in (([5, 100], 100), ([-1, 3], -1), ([7, 10**9], 10**9)):
+        with pytest.raises(ValueError, match=rf"^prompt token id {bad} is outside the vocabulary \[0, 100\)$"):
+            request_checks._before_validate(manager, text, ids)
+    request_checks._before_validate(manager, text, [0, 99])
+    request_checks._before_validate(manager, text, None)  # input_embeds
+    request_checks._before_validate(manager, types.SimpleNamespace(image_data=["x"]), [500])

@@ -5,7 +5,8 @@ SGLang's `load_plugins()` calls `register()` in every SGLang process (launch_ser
 server, each spawned scheduler, `sgl.Engine`). `register()` adds an AROUND hook on
 `SpeculativeAlgorithm.create_worker` through SGLang's `HookRegistry`: when the algorithm is DFLASH
 the hook returns `sglang_dflash.sglang.worker.DFlashKernelWorker` (a subclass of SGLang's own
-`DFlashWorkerV2`), otherwise it calls the original.
+`DFlashWorkerV2`), otherwise it calls the original. It also refuses prompts that would crash
+SGLang's scheduler (request_checks.py) with a 400 for that request.
 
 This module imports nothing heavy at import time (no torch, no SGLang, no extension): the worker
 module is imported inside the hook, i.e. only in the scheduler process that builds the worker.
@@ -110,6 +111,10 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(HOOK_TARGET, _create_worker_around, HookType.AROUND)
+    if problem is None:
+        from sglang_dflash.sglang import request_checks
+
+        request_checks.register_hooks()
     if _flag("SGLANG_USE_CPU_ENGINE") and problem is None:
         from sglang_dflash.sglang import cpu
 
