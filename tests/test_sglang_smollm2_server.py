@@ -49,9 +49,11 @@ def _prompts(target: Path) -> list[str]:
             for q in questions]
 
 
-def _generate(server: LocalServer, text: str, max_new_tokens=MAX_NEW_TOKENS, **sampling) -> dict:
+def _generate(server: LocalServer, text: str, max_new_tokens=MAX_NEW_TOKENS, return_logprob=False,
+              **sampling) -> dict:
     params = {"temperature": 0, "max_new_tokens": max_new_tokens, **sampling}
-    return server.post("/generate", {"text": text, "sampling_params": params}, timeout=300)
+    return server.post("/generate", {"text": text, "sampling_params": params, "return_logprob": return_logprob},
+                       timeout=300)
 
 
 def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list[str]) -> dict:
@@ -71,7 +73,11 @@ def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list
             except urllib.error.HTTPError as exc:
                 bad.append(exc.code)
         after_bad = _generate(server, prompts[0], max_new_tokens=8)
-        return dict(alone=alone, together=together, bad=bad, after_bad=after_bad, log=server.text())
+        # Where a block meets the end of a request: max_new_tokens inside a block, stop strings,
+        # and the logprobs of the committed tokens.
+        edges = [_generate(server, p, max_new_tokens=n, stop=stop, return_logprob=True)
+                 for p in prompts[:2] for n, stop in ((7, None), (13, None), (48, ["."]), (48, ["\n"]))]
+        return dict(alone=alone, together=together, bad=bad, after_bad=after_bad, edges=edges, log=server.text())
     finally:
         server.stop()
 
@@ -128,3 +134,22 @@ def test_bad_sampling_parameters_get_an_error_response_and_the_server_keeps_serv
     for run in runs:
         assert all(code == 400 for code in run["bad"]), run["bad"]
         assert run["after_bad"]["meta_info"]["completion_tokens"] == 8
+
+
+def test_block_edges_end_requests_as_plain_decoding_does(runs):
+    """max_new_tokens reached inside a block, stop strings met inside one: the same tokens and text
+    as the plain server, and the committed tokens' logprobs equal its (fp16 logits; both servers
+    compute each token's logits the same way, so only the logprob arithmetic may differ)."""
+    plain, dflash = runs
+    stopped = 0
+    for ours, theirs in zip(dflash["edges"], plain["edges"], strict=True):
+        assert ours["output_ids"] == theirs["output_ids"]
+        assert ours["text"] == theirs["text"]
+        assert ours["meta_info"]["finish_reason"] == theirs["meta_info"]["finish_reason"]
+        stopped += ours["meta_info"]["finish_reason"]["type"] == "stop"
+        ours_lp = [lp for lp, *_ in ours["meta_info"]["output_token_logprobs"]]
+        theirs_lp = [lp for lp, *_ in theirs["meta_info"]["output_token_logprobs"]]
+        assert len(ours_lp) == len(ours["output_ids"])
+        assert ours_lp == pytest.approx(theirs_lp, abs=1e-3)
+    assert [len(r["output_ids"]) for r in dflash["edges"][:2]] == [7, 13]
+    assert stopped >= 2  # the stop strings did end requests early
