@@ -105,6 +105,9 @@ class TargetNoiseDrafter:
         for r, n in zip(reqs, counts, strict=True):
             self.seqs[r] = self.seqs[r] + self.drafts[r][:n - 1]
 
+    def append_pending(self) -> None:
+        pass
+
     def finish(self, req: int) -> None:
         pass
 

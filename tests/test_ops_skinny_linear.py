@@ -11,6 +11,7 @@ from torch import nn
 from sglang_dflash import ops
 from sglang_dflash.models.skinny import MAX_ROWS, SkinnyLinear, use_skinny_linear
 from sglang_dflash.ops import reference
+from sglang_dflash.ops.testing import skinny_linear_error_ratio
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -24,16 +25,8 @@ def _inputs(rows, n, k, dtype, seed, bias=True, lead=()):
 
 
 def _assert_close(out, x, w, b):
-    """|out - exact| within what the kernel's arithmetic allows. It converts x, w and b to fp32
-    (exactly) and sums the k products and the bias in fp32, in some order: an error of at most
-    ~(k + 1) * 2^-24 * (sum |x||w| + |b|), doubled here to cover the second-order terms; then it
-    rounds once to out's dtype: half an ulp, eps / 2 * |value|, or half the subnormal spacing."""
-    xd, wd, bd = (None if t is None else t.double() for t in (x, w, b))
-    exact = reference.skinny_linear(xd, wd, bd)  # float64: exact products, sums to ~2^-53
-    mass = xd.abs() @ wd.abs().T + (0 if b is None else bd.abs())
-    fin = torch.finfo(out.dtype)
-    bound = fin.eps / 2 * (exact.abs() + fin.smallest_normal) + 2 * (x.shape[-1] + 1) * 2.0**-24 * mass
-    ratio = ((out.double() - exact).abs() / bound).max().item()
+    """|out - exact| within what the kernel's arithmetic allows (ops/testing.py)."""
+    ratio = skinny_linear_error_ratio(out, x, w, b).max().item()
     assert ratio <= 1, f"error up to {ratio:.3g}x the bound"
 
 

@@ -93,7 +93,8 @@ class BlockSizeController:
         if untried:
             return self._decide(untried[0], "first try at this batch size")
         expected = self.expected_tokens()
-        rate = {b: expected[b - 1] / self.step_seconds(batch_size, b) for b in sizes}
+        seconds = [self.step_seconds(batch_size, b) for b in range(1, self.max_block_size + 1)]
+        rate = {b: expected[b - 1] / seconds[b - 1] for b in sizes}
         best = max(sorted(rate), key=rate.__getitem__)  # smallest b on ties
         if self._steps % self.explore_every == self.explore_every - 1:
             self._explorations += 1
@@ -105,16 +106,17 @@ class BlockSizeController:
                 times = self._times.get((batch_size, b), ())
                 return len(times), self._timed_at.get((batch_size, b), -1)
 
-            return self._decide(min(pool, key=staleness), "re-time", expected, batch_size)
-        return self._decide(best, "best", expected, batch_size)
+            return self._decide(min(pool, key=staleness), "re-time", expected, seconds)
+        return self._decide(best, "best", expected, seconds)
 
     def _decide(self, block_size: int, why: str, expected: list[float] | None = None,
-                batch_size: int | None = None) -> int:
+                seconds: list[float] | None = None) -> int:
+        """Records why (with the estimates per block size 1..max, when there are any) and returns
+        `block_size`."""
         self.last_decision = {"block_size": block_size, "why": why}
         if expected is not None:
-            self.last_decision.update(
-                expected_tokens=[round(e, 4) for e in expected],
-                step_ms=[round(1e3 * self.step_seconds(batch_size, b), 3) for b in range(1, self.max_block_size + 1)])
+            self.last_decision.update(expected_tokens=[round(e, 4) for e in expected],
+                                      step_ms=[round(1e3 * t, 3) for t in seconds])
         return block_size
 
     def observe(self, block_size: int, accept_lens: list[int], seconds: float) -> None:

@@ -1,9 +1,10 @@
 """Drafters the generator can run: the DFlash block drafter, and an oracle that proposes a known
 continuation (benchmarks and tests of the accept path).
 
-A drafter has `layer_ids` (target layers whose outputs it consumes) and four calls, all indexed
-by the generator's request index: `start` after prefill, `propose` per step, `commit` with the
-tapped states of the rows the target kept, and `finish`.
+A drafter has `layer_ids` (target layers whose outputs it consumes) and five calls, all indexed
+by the generator's request index: `start` after prefill, `propose` per drafting step, `commit`
+with the tapped states of the rows the target kept, `append_pending` (work `commit` may defer to
+the next `propose`, which the generator times apart), and `finish`.
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ class NoDrafter:
         pass
 
     def commit(self, reqs, counts, taps) -> None:
+        pass
+
+    def append_pending(self) -> None:
         pass
 
     def finish(self, req: int) -> None:

@@ -207,7 +207,7 @@ class Generator:
                 # to those steps' tokens, not to this block size (else plain steps look cheaper
                 # than they are and every draft step after them dearer).
                 t_append = time.perf_counter()
-                getattr(drafter, "append_pending", lambda: None)()
+                drafter.append_pending()
                 deferred_s = time.perf_counter() - t_append
                 sampling = DraftSampling(params.temperature, params.seed, offsets) if params.temperature > 0 else None
                 candidates = torch.cat([candidates, drafter.propose(active, anchors, start_t, block, sampling)], dim=1)

@@ -9,7 +9,7 @@ pure-PyTorch reference there instead: slower, same result.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,8 +49,10 @@ def runs_ours(op: str, device: torch.device | str) -> bool:
     return not _REFERENCE_ON or (op, canonical_device(device)) not in _REFERENCE_ON
 
 
-def _reference_on(op: str, device: torch.device) -> bool:
-    return bool(_REFERENCE_ON) and (op, device) in _REFERENCE_ON  # one truth test when none failed
+def _impl(op: str, device: torch.device) -> Callable:
+    """The kernel of `op`, or its reference where its self-test failed on `device` (tensors report
+    canonical devices; one truth test when nothing failed)."""
+    return getattr(reference if _REFERENCE_ON and (op, device) in _REFERENCE_ON else _ops(), op)
 
 
 def block_attention(
@@ -78,8 +80,7 @@ def block_attention(
     """
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
-    run = reference.block_attention if _reference_on("block_attention", q.device) else _ops().block_attention
-    return run(
+    return _impl("block_attention", q.device)(
         q, k_block, v_block, k_cache, v_cache, req_to_token, req_pool_indices, ctx_lens,
         int(block_size), float(sm_scale), int(window), bool(causal_block),
     )
@@ -105,8 +106,7 @@ def verify_block(
     Returns accept_len i32 [bs], bonus i64 [bs], out_tokens i64 [bs, B] (accepted drafts, the
     bonus, then -1).
     """
-    run = reference.verify_block if _reference_on("verify_block", logits.device) else _ops().verify_block
-    return run(candidates, logits, temperature, top_k, top_p, int(seed), offsets)
+    return _impl("verify_block", logits.device)(candidates, logits, temperature, top_k, top_p, int(seed), offsets)
 
 
 def verify_block_from_ids(
@@ -116,8 +116,7 @@ def verify_block_from_ids(
 
     target_ids int [bs, B] or [bs * B]: the target's token after each candidate.
     """
-    fallback = _reference_on("verify_block_from_ids", candidates.device)
-    return (reference.verify_block_from_ids if fallback else _ops().verify_block_from_ids)(candidates, target_ids)
+    return _impl("verify_block_from_ids", candidates.device)(candidates, target_ids)
 
 
 def gumbel_argmax(scores: torch.Tensor, ids: torch.Tensor | None, seed: int, offsets: torch.Tensor,
@@ -132,8 +131,7 @@ def gumbel_argmax(scores: torch.Tensor, ids: torch.Tensor | None, seed: int, off
     two distributions agree on it under the shared noise: at temperature > 0 that matches far more
     often than the draft's argmax, and the target's sample (hence the output) does not change.
     """
-    run = reference.gumbel_argmax if _reference_on("gumbel_argmax", scores.device) else _ops().gumbel_argmax
-    return run(scores, ids, int(seed), offsets, rows)
+    return _impl("gumbel_argmax", scores.device)(scores, ids, int(seed), offsets, rows)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,8 +145,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.device.type not in ("cpu", "meta"):  # no kernel is registered for other devices
         raise ValueError(f"sglang_dflash.skinny_linear: is a CPU kernel; x is on {x.device} "
                          "(use torch.nn.functional.linear there)")
-    run = reference.skinny_linear if _reference_on("skinny_linear", x.device) else _ops().skinny_linear
-    return run(x, weight, bias)
+    return _impl("skinny_linear", x.device)(x, weight, bias)
 
 
 def materialize_context_kv(
@@ -189,8 +186,7 @@ def materialize_context_kv(
     Bad arguments raise a ValueError naming them; on CUDA, out-of-range positions / out_loc stop the
     kernel with a device-side trap instead (no host sync).
     """
-    fallback = _reference_on("materialize_context_kv", ctx.device)
-    (reference.materialize_context_kv if fallback else _ops().materialize_context_kv)(
+    _impl("materialize_context_kv", ctx.device)(
         ctx, list(kv_weights), None if kv_biases is None else list(kv_biases), list(k_norm_weights), float(eps),
         cos_sin_cache, bool(is_neox), positions, out_loc, list(k_caches), list(v_caches), float(v_scale),
     )

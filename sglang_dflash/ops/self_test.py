@@ -26,7 +26,12 @@ import torch
 
 from sglang_dflash import _extension, ops
 from sglang_dflash.ops import reference
-from sglang_dflash.ops.testing import make_attention_inputs, make_context_kv_inputs, on_device
+from sglang_dflash.ops.testing import (
+    make_attention_inputs,
+    make_context_kv_inputs,
+    on_device,
+    skinny_linear_error_ratio,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -183,20 +188,15 @@ def _materialize_context_kv(device: torch.device, case: ContextKV) -> str | None
 
 
 def _skinny_linear(device: torch.device, dtype: torch.dtype) -> str | None:
-    """The rounding bound of tests/test_ops_skinny_linear.py: fp32 sums of k + 1 terms, then one
-    rounding to the output dtype."""
+    """Within the kernel's rounding bound (ops/testing.py, as tests/test_ops_skinny_linear.py)."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 300, generator=gen).to(dtype)
     weight = torch.randn(129, 300, generator=gen).to(dtype)
     bias = torch.randn(129, generator=gen).to(dtype)
     got = _kernel("skinny_linear")(x.to(device), weight.to(device), bias.to(device)).cpu()
-    exact = reference.skinny_linear(x.double(), weight.double(), bias.double())
-    if (problem := _layout(got, exact.to(dtype))) is not None:
+    if (problem := _layout(got, reference.skinny_linear(x, weight, bias))) is not None:
         return problem
-    mass = x.double().abs() @ weight.double().abs().T + bias.double().abs()
-    fin = torch.finfo(dtype)
-    bound = fin.eps / 2 * (exact.abs() + fin.smallest_normal) + 2 * (x.shape[-1] + 1) * 2.0**-24 * mass
-    ratio = (got.double() - exact).abs() / bound
+    ratio = skinny_linear_error_ratio(got, x, weight, bias)
     if not bool((ratio <= 1).all()):
         return f"error up to {float(ratio.nan_to_num(float('inf')).max()):.3g}x the rounding bound"
     return None
