@@ -7,12 +7,15 @@ for importing SGLang or torch; the server processes do that themselves.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from importlib import metadata
@@ -141,6 +144,52 @@ class LocalServer:
             raise RuntimeError(f"{self.name}: the stream ended without a chunk")
         return final, arrivals
 
+    def load(self) -> dict:
+        """This server's scheduler load (GET /v1/loads, data-parallel rank 0): running and waiting
+        requests, and num_used_tokens: KV slots held by requests (cached prefixes that could be
+        evicted do not count; the draft model's K/V live in the same slots, so they count too)."""
+        with urllib.request.urlopen(self.url + "/v1/loads", timeout=30) as r:
+            return json.loads(r.read())["loads"][0]
+
+    def wait_idle(self, timeout: float = 60) -> dict:
+        """Polls load() until no request runs or waits; returns that load, or raises TimeoutError."""
+        deadline = time.time() + timeout
+        while True:
+            load = self.load()
+            if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0:
+                return load
+            if time.time() > deadline:
+                raise TimeoutError(f"{self.name}: still busy after {timeout} s: {load}")
+            time.sleep(0.5)
+
+    def abort(self, rid: str) -> None:
+        """POST /abort_request for the request with id `rid` (sent as "rid" in its body)."""
+        self.post("/abort_request", {"rid": rid}, timeout=30)
+
+    def pids(self) -> list[int]:
+        """The processes of this server's session: the HTTP server, its scheduler, detokenizer."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if os.getsid(int(entry.name)) == self.proc.pid:
+                        pids.append(int(entry.name))
+                except OSError:  # exited meanwhile
+                    pass
+        return sorted(pids)
+
+    def resident_bytes(self) -> int:
+        """Resident memory of all this server's processes (VmRSS summed; Linux /proc)."""
+        total = 0
+        for pid in self.pids():
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        return total
+
     def stop(self, timeout: float = 60) -> int | None:
         """SIGTERM to the server's main process; its process group is killed only if it has not
         exited within `timeout`."""
@@ -160,3 +209,75 @@ class LocalServer:
             return True
         except ProcessLookupError:
             return False
+
+
+def sigterm_in_flight(server: LocalServer, texts: list[str], max_new_tokens: int = 96) -> dict:
+    """Clean shutdown under load: one long streamed greedy request per text, SIGTERM to the server
+    once each has streamed a token, then waits for the clients and for every process of the server's
+    session to end (SGLang drains the running requests first). Returns each client's outcome
+    ("answered": all max_new_tokens; or "connection closed"), how many clients hung, and the
+    server's processes still alive 30 s after its main process exited (then SIGKILLed)."""
+    count = len(texts)
+    started = threading.Barrier(count + 1, timeout=300)
+    outcomes = [None] * count
+
+    def client(i: int) -> None:
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+        body = {"text": texts[i], "stream": True, "sampling_params": params}
+        request = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        final, waited = None, False
+        try:
+            with urllib.request.urlopen(request, timeout=300) as r:
+                for line in r:
+                    if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
+                        final = json.loads(line[5:])
+                        if not waited:
+                            waited = True
+                            with contextlib.suppress(threading.BrokenBarrierError):
+                                started.wait()
+            tokens = final["meta_info"]["completion_tokens"] if final else 0
+            ended = "answered" if tokens == max_new_tokens else f"stream ended after {tokens} tokens"
+            outcomes[i] = {"outcome": ended, "tokens": tokens}
+        except (OSError, http.client.HTTPException) as e:
+            outcomes[i] = {"outcome": "connection closed", "error": f"{type(e).__name__}: {e}"}
+        finally:
+            if not waited:
+                started.abort()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    with contextlib.suppress(threading.BrokenBarrierError):  # a client failed early: SIGTERM all the same
+        started.wait()
+    pids = server.pids()
+    t0 = time.time()
+    os.kill(server.proc.pid, signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=300)
+    try:
+        server.proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:  # reported below: its pid stays in the list
+        pass
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.5)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    return {"in_flight": count, "outcomes": outcomes, "clients_hung": sum(t.is_alive() for t in threads),
+            "server_processes": len(pids), "processes_left_after_exit": left,
+            "exit_code": server.proc.returncode, "seconds_to_exit": round(time.time() - t0, 1)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,522 @@
+"""Soak test of a DFLASH server: many varied requests, malformed ones and faults, then checks that
+nothing was lost, nothing leaked and nothing crashed.
+
+One `python -m sglang.launch_server --speculative-algorithm dflash` (shipped drafter, adaptive
+block size, the plugin active) on 127.0.0.1 takes --requests requests from --clients concurrent
+clients, more than its --max-running-requests, so the scheduler queues, plus bursts of
+--burst-size at once. The requests (seeded, reproducible) mix:
+
+  prompts     chat-template GSM8K questions, and raw token-id prompts from 1 token up to the
+              context limit minus the request's max_new_tokens
+  decoding    greedy; seeded sampling at T 0.7 / 1.0; top-k; top-p; min-p; n > 1
+  endings     max_new_tokens 1-256; ignore_eos on and off; stop strings; stop token ids
+  outputs     streamed and not; logprobs (with top logprobs); JSON-schema and regex constraints
+  faults      clients that disconnect mid-stream; /abort_request of running requests; malformed
+              requests (each must get a 4xx answer while the server keeps serving)
+
+Checks, each a line of the report (exit status 1 if any fails):
+  - every accepted request got a complete, well-formed answer (finish reason, token counts, no
+    token after an EOS or stop token, stop strings trimmed, logprobs per token, constraints met);
+  - every malformed request got a 4xx answer;
+  - after the run no request is left, the KV pool holds no slot (target and draft K/V share it),
+    SGLang's own idle leak check stayed silent, resident memory grew by at most --max-rss-growth-mb;
+  - the server still answers; SIGTERM with requests in flight ends every process of the server and
+    each in-flight request gets its answer or a closed connection;
+  - the greedy answers equal those of a plain server (the plugin active, no speculation) sent the
+    same requests afterwards; a difference is reported with the fp32 target's logit margin at the
+    first differing token and passes only as a near-tie (|margin| <= --near-tie).
+
+Writes bench/results/soak_<target>.json (provenance: bench/provenance.py).
+
+    python bench/soak_serving.py [--requests 1000] [--clients 12] [--time-limit 3600] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import http.client
+import json
+import math
+import random
+import re
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from bench_serving import first_divergence, logit_margin
+from provenance import run_info
+from tqdm import tqdm
+
+from sglang_dflash.data import gsm8k_path
+from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
+from sglang_dflash.engine.packaged import packaged_model_dir
+from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_args, server_env, sigterm_in_flight
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = "smollm2-135m"
+STARTUP_TIMEOUT = 600
+REQUEST_TIMEOUT = 600
+# SGLang's own idle invariant checks (strict by default: a leak kills the scheduler).
+LEAK_MARKERS = ("memory leak detected", "double free", "use-after-free", "Mem Leak Detected")
+JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+               "required": ["name", "age"]}
+REGEX = r"[0-9]+(, [0-9]+)*"
+STOP_STRINGS = (["\n\n"], ["."], [" the"], ["\n", "?"])
+
+
+@dataclasses.dataclass
+class Spec:
+    """One request of the soak and what its answer must satisfy."""
+
+    id: str
+    kind: str  # "generate", "malformed/<what>", "disconnect", "abort"
+    body: dict | bytes  # the JSON body, or raw bytes for a body that is not JSON
+    stream: bool = False
+    greedy: bool = False  # compared with the plain server's answer
+    chunks_before_disconnect: int = 0
+    abort_after_s: float = 0.0
+
+
+# -- the requests ------------------------------------------------------------------------------
+
+
+def token_stream(tokenizer) -> list[int]:
+    """A long stretch of real text as token ids (GSM8K train questions and answers), from which the
+    raw prompts of every length are cut."""
+    ids = []
+    for line in gsm8k_path("train").open():
+        record = json.loads(line)
+        ids += tokenizer(record["question"] + "\n" + record["answer"] + "\n\n")["input_ids"]
+        if len(ids) > 200_000:
+            break
+    return ids
+
+
+def chat_texts(tokenizer, count: int) -> list[str]:
+    questions = [json.loads(line)["question"] for line in gsm8k_path("test").open()][:count]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in questions]
+
+
+def max_new_tokens(rng: random.Random) -> int:
+    """Mostly short answers (so a thousand requests fit a CPU), some up to 256."""
+    r = rng.random()
+    return rng.randint(1, 32) if r < 0.6 else rng.randint(33, 128) if r < 0.9 else rng.randint(129, 256)
+
+
+def sampling(rng: random.Random) -> dict:
+    r = rng.random()
+    if r < 0.45:
+        return {"temperature": 0}
+    seed = {"sampling_seed": rng.randrange(1 << 30)}
+    if r < 0.60:
+        return {"temperature": 0.7, **seed}
+    if r < 0.72:
+        return {"temperature": 1.0, "top_p": 0.9, **seed}
+    if r < 0.84:
+        return {"temperature": 0.8, "top_k": 20, **seed}
+    if r < 0.92:
+        return {"temperature": 1.0, "min_p": 0.1, **seed}
+    return {"temperature": 0.9, "n": rng.choice([2, 3]), **seed}
+
+
+def malformed(rng: random.Random, tokenizer, context_length: int, stream: list[int]) -> tuple[str, dict | bytes]:
+    """A request SGLang (or the plugin) must refuse with a 4xx answer: (what is wrong, body)."""
+    vocab = len(tokenizer)
+    text = "Say something."
+    cases = [
+        ("empty prompt", {"text": "", "sampling_params": {"max_new_tokens": 8}}),
+        ("empty input_ids", {"input_ids": [], "sampling_params": {"max_new_tokens": 8}}),
+        ("out-of-vocabulary id", {"input_ids": [1, 2, vocab + rng.randrange(1000)], "sampling_params": {}}),
+        ("negative id", {"input_ids": [5, -3, 7], "sampling_params": {"max_new_tokens": 8}}),
+        ("negative temperature", {"text": text, "sampling_params": {"temperature": -1.0}}),
+        ("top_p above 1", {"text": text, "sampling_params": {"top_p": 2.0}}),
+        ("top_k zero", {"text": text, "sampling_params": {"top_k": 0}}),
+        ("negative max_new_tokens", {"text": text, "sampling_params": {"max_new_tokens": -1}}),
+        ("no prompt", {"sampling_params": {"max_new_tokens": 8}}),
+        ("prompt longer than the context", {"input_ids": stream[:context_length + 16], "sampling_params": {}}),
+        ("invalid JSON schema", {"text": text, "sampling_params": {"json_schema": "{not json"}}),
+        ("body is not JSON", b'{"text": "unterminated'),
+    ]
+    return cases[rng.randrange(len(cases))]
+
+
+def build_requests(count: int, seed: int, tokenizer, context_length: int) -> list[Spec]:
+    rng = random.Random(seed)
+    stream, texts = token_stream(tokenizer), chat_texts(tokenizer, 200)
+    stop_id_choices = [tokenizer.convert_tokens_to_ids(t) for t in (".", "Ċ", ",")]
+    specs = []
+    for i in range(count):
+        rid = f"soak-{seed}-{i}"
+        r = rng.random()
+        if r < 0.04:
+            what, body = malformed(rng, tokenizer, context_length, stream)
+            specs.append(Spec(rid, f"malformed/{what}", body))
+            continue
+        params = {"max_new_tokens": max_new_tokens(rng), **sampling(rng)}
+        if rng.random() < 0.5:
+            body = {"text": rng.choice(texts)}
+        else:  # raw ids of any length up to the context limit, so long prompts and 1-token ones occur
+            room = context_length - params["max_new_tokens"] - 1
+            length = min(room, int(math.exp(rng.uniform(0, math.log(room)))))
+            if rng.random() < 0.03:
+                length = room  # right at the limit
+            start = rng.randrange(len(stream) - length)
+            body = {"input_ids": stream[start:start + length]}
+        if rng.random() < 0.25:
+            params["ignore_eos"] = True
+        if rng.random() < 0.12:
+            params["stop"] = rng.choice(STOP_STRINGS)
+        if rng.random() < 0.06:
+            params["stop_token_ids"] = [rng.choice(stop_id_choices)]
+        constraint = rng.random()
+        if constraint < 0.02:
+            params.update(json_schema=json.dumps(JSON_SCHEMA), max_new_tokens=64)
+            params.pop("ignore_eos", None), params.pop("stop", None), params.pop("stop_token_ids", None)
+        elif constraint < 0.04:
+            params["regex"] = REGEX
+        if rng.random() < 0.12:
+            body.update(return_logprob=True, top_logprobs_num=rng.choice([0, 3]))
+        body = {"rid": rid, **body, "sampling_params": params}
+        stream_it = rng.random() < 0.35
+        fault = rng.random()
+        if fault < 0.03:
+            params.update(max_new_tokens=max(params["max_new_tokens"], 64), ignore_eos=True)
+            specs.append(Spec(rid, "disconnect", body, stream=True, chunks_before_disconnect=rng.randint(1, 4)))
+        elif fault < 0.05:
+            params.update(max_new_tokens=max(params["max_new_tokens"], 64), ignore_eos=True)
+            specs.append(Spec(rid, "abort", body, stream=stream_it, abort_after_s=rng.uniform(0.2, 2.0)))
+        else:
+            greedy = params["temperature"] == 0 and params.get("n", 1) == 1
+            specs.append(Spec(rid, "generate", body, stream=stream_it, greedy=greedy))
+    return specs
+
+
+# -- sending ---------------------------------------------------------------------------------
+
+
+def send(server: LocalServer, spec: Spec) -> dict:
+    """Sends one request; returns {"status": HTTP status, "answer": JSON answer or None,
+    "chunks": streamed chunk count, "error": text} (what happened, checked later)."""
+    raw = spec.body if isinstance(spec.body, bytes) else json.dumps(dict(spec.body, stream=spec.stream)).encode()
+    request = urllib.request.Request(server.url + "/generate", data=raw, headers={"Content-Type": "application/json"})
+    timer = None
+    if spec.abort_after_s:
+        timer = threading.Timer(spec.abort_after_s, lambda: server.abort(spec.id))
+        timer.start()
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
+            if not spec.stream:
+                return {"status": r.status, "answer": json.loads(r.read())}
+            return read_stream(r, spec)
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "answer": None, "error": e.read().decode(errors="replace")[:500]}
+    except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
+        return {"status": None, "answer": None, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        if timer is not None:
+            timer.join()
+
+
+def read_stream(response, spec: Spec) -> dict:
+    """Server-sent events up to `data: [DONE]` (or the disconnect this spec asks for): the last chunk
+    of each output index (SGLang's stream repeats the whole output so far)."""
+    finals, chunks, problems, seen = {}, 0, [], {}
+    for line in response:
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[len(b"data:"):].strip()
+        if payload == b"[DONE]":
+            break
+        chunk = json.loads(payload)
+        chunks += 1
+        if "error" in chunk:
+            return {"status": response.status, "answer": None, "chunks": chunks, "error": str(chunk["error"])}
+        index = chunk.get("index", 0)
+        tokens = chunk["meta_info"]["completion_tokens"]
+        if tokens < seen.get(index, 0):
+            problems.append(f"streamed token count went back from {seen[index]} to {tokens}")
+        seen[index] = tokens
+        finals[index] = chunk
+        if spec.chunks_before_disconnect and chunks >= spec.chunks_before_disconnect:
+            response.close()  # the client goes away mid-stream
+            return {"status": response.status, "answer": None, "chunks": chunks, "disconnected": True}
+    answer = [finals[i] for i in sorted(finals)] if len(finals) > 1 else next(iter(finals.values()), None)
+    return {"status": response.status, "answer": answer, "chunks": chunks, "stream_problems": problems}
+
+
+# -- checking one answer ---------------------------------------------------------------------
+
+
+def check(spec: Spec, result: dict, eos_ids: set[int]) -> list[str]:
+    """What is wrong with `result` as the answer to `spec` (empty: nothing)."""
+    if spec.kind.startswith("malformed/"):
+        ok = result["status"] is not None and 400 <= result["status"] < 500
+        return [] if ok else [f"malformed request answered {result['status']} (want 4xx): {result.get('error')}"]
+    if spec.kind == "disconnect":
+        return [] if result.get("disconnected") else [f"stream ended before the client left: {result}"]
+    if result["status"] != 200 or result["answer"] is None:
+        return [f"no answer: status {result['status']}, {result.get('error')}"]
+    params = spec.body["sampling_params"]
+    answers = result["answer"] if isinstance(result["answer"], list) else [result["answer"]]
+    problems = list(result.get("stream_problems", []))
+    if len(answers) != params.get("n", 1):
+        problems.append(f"{len(answers)} answers for n={params.get('n', 1)}")
+    for answer in answers:
+        problems += check_answer(spec, answer, params, eos_ids)
+    return problems
+
+
+def check_answer(spec: Spec, answer: dict, params: dict, eos_ids: set[int]) -> list[str]:
+    meta, ids = answer["meta_info"], answer["output_ids"]
+    finish = meta.get("finish_reason") or {}
+    problems = []
+    if meta["completion_tokens"] != len(ids):
+        problems.append(f"completion_tokens {meta['completion_tokens']} but {len(ids)} output ids")
+    if len(ids) > params["max_new_tokens"]:
+        problems.append(f"{len(ids)} tokens for max_new_tokens {params['max_new_tokens']}")
+    kind = finish.get("type")
+    if spec.kind == "abort":
+        return problems + ([] if kind in ("abort", "length") else [f"aborted request finished {finish}"])
+    if kind == "length" and len(ids) != params["max_new_tokens"]:
+        problems.append(f"finish length after {len(ids)} of {params['max_new_tokens']} tokens")
+    if kind not in ("length", "stop"):
+        problems.append(f"finish reason {finish}")
+    stop_ids = set(params.get("stop_token_ids", ())) | (set() if params.get("ignore_eos") else eos_ids)
+    if any(t in stop_ids for t in ids[:-1]):
+        problems.append("tokens after a stop token")
+    for s in params.get("stop", ()):
+        if s in answer["text"]:
+            problems.append(f"stop string {s!r} left in the text")
+    if spec.body.get("return_logprob"):
+        logprobs = meta.get("output_token_logprobs") or []
+        if len(logprobs) != len(ids) or any(not (lp <= 0.0 and math.isfinite(lp)) for lp, *_ in logprobs):
+            problems.append(f"{len(logprobs)} output logprobs for {len(ids)} tokens, or one not a log-probability")
+    if "json_schema" in params and kind == "stop":
+        try:
+            value = json.loads(answer["text"])
+            if not isinstance(value, dict) or not {"name", "age"} <= value.keys():
+                problems.append(f"JSON answer lacks the required keys: {answer['text']!r}")
+        except json.JSONDecodeError:
+            problems.append(f"constrained answer is not JSON: {answer['text']!r}")
+    if "regex" in params and kind == "stop" and not re.fullmatch(REGEX, answer["text"]):
+        problems.append(f"constrained answer does not match {REGEX}: {answer['text']!r}")
+    return problems
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def run_requests(server: LocalServer, specs: list[Spec], clients: int, burst_size: int, deadline: float,
+                 on_rss) -> list[dict | None]:
+    """Sends `specs` with `clients` in flight; every 250 requests a burst of `burst_size` of them
+    goes out at once on top. Requests not started by `deadline` give None."""
+    results: list[dict | None] = [None] * len(specs)
+
+    def one(i: int) -> None:
+        if time.time() < deadline:
+            results[i] = send(server, specs[i])
+        bar.update()
+
+    with tqdm(total=len(specs), desc="soak", unit="req") as bar, \
+            concurrent.futures.ThreadPoolExecutor(clients) as pool, \
+            concurrent.futures.ThreadPoolExecutor(burst_size) as burst:
+        for start in range(0, len(specs), 250):
+            chunk = range(start, min(start + 250, len(specs)))
+            bursting = list(chunk)[-burst_size:]
+            waiting = [burst.submit(one, i) for i in bursting] + [pool.submit(one, i) for i in chunk
+                                                                     if i not in bursting]
+            concurrent.futures.wait(waiting)
+            on_rss()
+    return results
+
+
+def leak_lines(log_text: str) -> list[str]:
+    return [line.strip() for line in log_text.splitlines() if any(m in line for m in LEAK_MARKERS)]
+
+
+def idle_state(server: LocalServer) -> dict:
+    """After the run: no request left, the KV slots all free (before and after dropping the radix
+    cache), SGLang's idle leak check silent."""
+    load = server.wait_idle(timeout=120)
+    time.sleep(3)  # a few idle scheduler loops: SGLang runs its leak check there
+    flushed = server.post("/flush_cache", {})
+    after = server.load()
+    return {"num_used_tokens": load["num_used_tokens"], "num_used_tokens_after_flush": after["num_used_tokens"],
+            "max_total_num_tokens": after["max_total_num_tokens"], "flush_cache": str(flushed).strip()[:80],
+            "leak_log_lines": leak_lines(server.text())}
+
+
+def greedy_parity(args, target: Path, specs: list[Spec], results: list, tmp: Path, extra: list[str],
+                  tokenizer) -> dict:
+    """The greedy requests that DFLASH answered, sent again (not streamed) to a plain server with the
+    plugin active; differing answers get the fp32 logit margin at their first differing token."""
+    todo = [(s, r) for s, r in zip(specs, results, strict=True)
+            if s.greedy and r is not None and r["status"] == 200 and isinstance(r["answer"], dict)]
+    plain = LocalServer("plain", launch_args(target, free_port(), extra=extra), server_env(tmp), tmp / "plain.log")
+    try:
+        plain.wait_ready(time.time() + STARTUP_TIMEOUT)
+        with tqdm(total=len(todo), desc="plain server, greedy", unit="req") as bar:
+            def replay(item):
+                spec, _ = item
+                body = {k: v for k, v in spec.body.items() if k != "rid"}
+                try:
+                    return plain.post("/generate", body, timeout=REQUEST_TIMEOUT)
+                finally:
+                    bar.update()
+
+            with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
+                answers = list(pool.map(replay, todo))
+    finally:
+        plain.stop()
+    divergences = []
+    for (spec, result), theirs in zip(todo, answers, strict=True):
+        ours = result["answer"]["output_ids"]
+        pos = first_divergence(theirs["output_ids"], ours)
+        if pos is not None:
+            divergences.append({"request": spec.id, "position": pos, "plain": theirs["output_ids"][pos:pos + 1],
+                                "dflash": ours[pos:pos + 1], "prefix": theirs["output_ids"][:pos], "spec": spec})
+    add_fp32_margins(divergences, target, tokenizer)
+    near = [d for d in divergences if d.get("margin") is not None and abs(d["margin"]) <= args.near_tie]
+    return {"compared": len(todo), "equal": len(todo) - len(divergences), "near_ties": len(near),
+            "divergences": [{k: v for k, v in d.items() if k not in ("spec", "prefix")} for d in divergences]}
+
+
+def add_fp32_margins(divergences: list[dict], target: Path, tokenizer) -> None:
+    todo = [d for d in divergences if d["plain"] and d["dflash"]]
+    if not todo:
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for d in tqdm(todo, desc="fp32 margins", unit="divergence"):
+        body = d["spec"].body
+        prompt = body.get("input_ids") or tokenizer(body["text"])["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + d["prefix"]])).logits[0, -1]
+        d.update(logit_margin(logits, d["plain"][0], d["dflash"][0]))
+
+
+def summarize(specs: list[Spec], results: list, eos_ids: set[int]) -> dict:
+    by_kind, problems, lost = {}, [], 0
+    for spec, result in zip(specs, results, strict=True):
+        kind = spec.kind.split("/")[0]
+        counts = by_kind.setdefault(kind, {"sent": 0, "ok": 0, "not_sent": 0})
+        if result is None:
+            counts["not_sent"] += 1
+            continue
+        counts["sent"] += 1
+        found = check(spec, result, eos_ids)
+        if found:
+            problems.append({"request": spec.id, "kind": spec.kind, "problems": found})
+            lost += spec.kind in ("generate", "abort") and result.get("answer") is None
+        else:
+            counts["ok"] += 1
+    return {"by_kind": by_kind, "sent": sum(c["sent"] for c in by_kind.values()), "lost": lost,
+            "requests_with_problems": len(problems), "problems": problems[:100]}
+
+
+def verdicts(summary: dict, idle: dict, rss: dict, alive_after: bool, shutdown: dict, parity: dict | None,
+             args) -> dict[str, bool]:
+    checks = {
+        f"at least {args.requests} requests sent": summary["sent"] >= args.requests,
+        "0 lost, every answer well-formed, every malformed request refused": summary["requests_with_problems"] == 0,
+        "server answered after the run": alive_after,
+        "0 KV slots held when idle": idle["num_used_tokens"] == 0 and idle["num_used_tokens_after_flush"] == 0,
+        "SGLang's idle leak check silent": not idle["leak_log_lines"],
+        f"resident memory grew <= {args.max_rss_growth_mb} MB": rss["growth_mb"] <= args.max_rss_growth_mb,
+        "SIGTERM: every process ended, no client hung": not shutdown["processes_left_after_exit"]
+        and shutdown["clients_hung"] == 0,
+    }
+    if parity is not None:
+        checks["greedy equals the plain server (near-ties aside)"] = parity["equal"] + parity["near_ties"] == \
+            parity["compared"]
+    return checks
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, help=f"HF model directory (default: the packaged {DEFAULT_TARGET})")
+    parser.add_argument("--draft", default=SHIPPED_DRAFTER, help="DFlash checkpoint directory or shipped drafter name")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--clients", type=int, default=12, help="concurrent clients")
+    parser.add_argument("--max-running-requests", type=int, default=8, help="the server's; below --clients")
+    parser.add_argument("--burst-size", type=int, default=24, help="requests sent at once every 250")
+    parser.add_argument("--context-length", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0, help="of the request mix")
+    parser.add_argument("--near-tie", type=float, default=0.05,
+                        help="largest |fp32 logit margin| at which a greedy difference passes as a near-tie")
+    parser.add_argument("--max-rss-growth-mb", type=float, default=512)
+    parser.add_argument("--no-parity", action="store_true", help="skip the plain server's greedy replay")
+    parser.add_argument("--time-limit", type=float, default=3600, help="seconds of sending; then it stops")
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    from transformers import AutoTokenizer
+
+    target = args.target or packaged_model_dir(DEFAULT_TARGET)
+    draft = resolve_draft(args.draft)
+    info = run_info({"target": target, "draft": draft})
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    eos_ids = {tokenizer.eos_token_id}
+    specs = build_requests(args.requests, args.seed, tokenizer, args.context_length)
+    tmp = Path(tempfile.mkdtemp(prefix="soak_serving_"))
+    extra = ["--context-length", str(args.context_length), "--max-running-requests", str(args.max_running_requests),
+             "--max-total-tokens", "16384", "--random-seed", "0"]
+    print(f"{len(specs)} requests, {args.clients} clients; server logs in {tmp}")
+
+    server = LocalServer("dflash", launch_args(target, free_port(), draft=draft, extra=extra), server_env(tmp),
+                         tmp / "dflash.log")
+    rss_samples = []
+    try:
+        server.wait_ready(time.time() + STARTUP_TIMEOUT)
+        rss_samples.append(server.resident_bytes())
+        results = run_requests(server, specs, args.clients, args.burst_size, time.time() + args.time_limit,
+                               lambda: rss_samples.append(server.resident_bytes()))
+        if server.proc.poll() is not None:
+            raise SystemExit(f"the DFLASH server died during the soak:\n{server.text()[-4000:]}")
+        idle = idle_state(server)
+        alive_after = server.post("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 4}})[
+            "meta_info"]["completion_tokens"] == 4
+        rss_samples.append(server.resident_bytes())
+        shutdown = sigterm_in_flight(server, chat_texts(tokenizer, 6))
+    finally:
+        server.stop()
+    rss = {"start_mb": rss_samples[0] / 2**20, "end_mb": rss_samples[-1] / 2**20,
+           "samples_mb": [round(b / 2**20, 1) for b in rss_samples],
+           "growth_mb": (rss_samples[-1] - rss_samples[1 if len(rss_samples) > 2 else 0]) / 2**20}
+    summary = summarize(specs, results, eos_ids)
+    parity = None if args.no_parity else greedy_parity(args, target, specs, results, tmp, extra, tokenizer)
+    checks = verdicts(summary, idle, rss, alive_after, shutdown, parity, args)
+
+    out = args.out or ROOT / "bench" / "results" / f"soak_{args.target.name if args.target else DEFAULT_TARGET}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    setup = {"target": str(target), "draft": str(draft), "server_args": extra, "requests": args.requests,
+             "clients": args.clients, "burst_size": args.burst_size, "seed": args.seed,
+             "time_limit_s": args.time_limit, "log_dir": str(tmp),
+             "rss_growth_note": "growth from the first sample after 250 requests to the end (the first "
+                                "requests fill allocator pools and caches)"}
+    out.write_text(json.dumps({"provenance": info, "setup": setup, "checks": checks, "summary": summary,
+                               "idle": idle, "resident_memory": rss, "shutdown": shutdown,
+                               "greedy_parity": parity}, indent=1))
+    for name, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+    print(json.dumps({"by_kind": summary["by_kind"], "idle": idle, "rss_growth_mb": round(rss["growth_mb"], 1),
+                      "shutdown": {k: shutdown[k] for k in ("clients_hung", "processes_left_after_exit",
+                                                            "seconds_to_exit")},
+                      "parity": parity and {k: parity[k] for k in ("compared", "equal", "near_ties")}}, indent=1))
+    print(f"wrote {out}")
+    raise SystemExit(0 if all(checks.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
