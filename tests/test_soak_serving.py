@@ -1,0 +1,104 @@
+"""The pure parts of bench/soak_serving.py: the request mix it builds and the checks it applies to
+each answer, on synthetic answers (the soak itself drives real servers: `make soak`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import soak_serving as soak  # noqa: E402
+
+EOS = 2
+
+
+def _spec(**params) -> soak.Spec:
+    body = {"rid": "r", "text": "Q", "sampling_params": {"max_new_tokens": 8, "temperature": 0, **params}}
+    return soak.Spec("r", "generate", body, greedy=True)
+
+
+def _answer(ids, text="a b", finish=None, **meta):
+    finish = finish or {"type": "length", "length": len(ids)}
+    return {"status": 200, "answer": {"text": text, "output_ids": ids,
+                                      "meta_info": {"completion_tokens": len(ids), "finish_reason": finish, **meta}}}
+
+
+def test_a_well_formed_answer_passes():
+    assert soak.check(_spec(), _answer([5, 6, 7, 8, 9, 10, 11, 12]), {EOS}) == []
+    assert soak.check(_spec(), _answer([5, 6, EOS], finish={"type": "stop", "matched": EOS}), {EOS}) == []
+
+
+@pytest.mark.parametrize("ids, finish, params, text, want", [
+    ([5, EOS, 7], {"type": "stop", "matched": 7}, {}, "a", "tokens after a stop token"),
+    ([5, 9, 7], {"type": "stop", "matched": 7}, {"stop_token_ids": [9]}, "a", "tokens after a stop token"),
+    ([5, 6], {"type": "length", "length": 2}, {}, "a", "finish length after 2 of 8"),
+    (list(range(3, 12)), None, {}, "a", "9 tokens for max_new_tokens 8"),
+    ([5, 6], {"type": "stop", "matched": "."}, {"stop": ["."]}, "a.", "stop string '.' left"),
+    ([5], {"type": "abort"}, {}, "a", "finish reason"),
+])
+def test_each_defect_of_an_answer_is_named(ids, finish, params, text, want):
+    problems = soak.check(_spec(**params), _answer(ids, text=text, finish=finish), {EOS})
+    assert any(want in p for p in problems), problems
+
+
+def test_ignore_eos_allows_eos_inside_the_answer():
+    ids = [5, EOS, 7, 8, 9, 10, 11, 12]
+    assert soak.check(_spec(ignore_eos=True), _answer(ids), {EOS}) == []
+
+
+def test_logprobs_must_cover_every_token_and_be_log_probabilities():
+    spec = _spec()
+    spec.body["return_logprob"] = True
+    ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    good = _answer(ids, output_token_logprobs=[[-0.5, t, None] for t in ids])
+    assert soak.check(spec, good, {EOS}) == []
+    short = _answer(ids, output_token_logprobs=[[-0.5, t, None] for t in ids[:-1]])
+    positive = _answer(ids, output_token_logprobs=[[0.5, t, None] for t in ids])
+    for bad in (short, positive):
+        assert soak.check(spec, bad, {EOS}) != []
+
+
+def test_constrained_answers_are_checked_against_their_constraint():
+    spec = _spec(json_schema=json.dumps(soak.JSON_SCHEMA))
+    stop = {"type": "stop", "matched": EOS}
+    assert soak.check(spec, _answer([5, EOS], text='{"name": "a", "age": 3}', finish=stop), {EOS}) == []
+    assert soak.check(spec, _answer([5, EOS], text='{"name": "a"}', finish=stop), {EOS}) != []
+    spec = _spec(regex=soak.REGEX)
+    assert soak.check(spec, _answer([5, EOS], text="1, 2, 3", finish=stop), {EOS}) == []
+    assert soak.check(spec, _answer([5, EOS], text="1, x", finish=stop), {EOS}) != []
+
+
+def test_n_answers_are_counted_and_malformed_requests_must_be_refused():
+    spec = _spec(n=2, temperature=0.9)
+    one = _answer([5] * 8)
+    assert soak.check(spec, {"status": 200, "answer": [one["answer"]] * 2}, {EOS}) == []
+    assert any("1 answers for n=2" in p for p in soak.check(spec, one, {EOS}))
+    bad = soak.Spec("m", "malformed/empty prompt", {"text": ""})
+    assert soak.check(bad, {"status": 400, "answer": None}, {EOS}) == []
+    assert soak.check(bad, _answer([5]), {EOS}) != []
+    assert soak.check(bad, {"status": None, "answer": None, "error": "ConnectionResetError"}, {EOS}) != []
+
+
+def test_the_request_mix_covers_every_feature_and_stays_inside_the_context():
+    from transformers import AutoTokenizer
+
+    from sglang_dflash.engine.packaged import packaged_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(packaged_model_dir("smollm2-135m"))
+    specs = soak.build_requests(1000, 0, tokenizer, context_length=2048)
+    assert specs == soak.build_requests(1000, 0, tokenizer, context_length=2048)  # seeded
+    kinds = {s.kind.split("/")[0] for s in specs}
+    assert kinds == {"generate", "malformed", "disconnect", "abort"}
+    bodies = [s.body for s in specs if isinstance(s.body, dict) and "rid" in s.body]
+    params = [b["sampling_params"] for b in bodies]
+    lengths = [len(b["input_ids"]) for b in bodies if "input_ids" in b]
+    assert min(lengths) == 1 and max(lengths) > 1800
+    assert all(len(b.get("input_ids", ())) + b["sampling_params"]["max_new_tokens"] < 2048 for b in bodies)
+    for key in ("stop", "stop_token_ids", "ignore_eos", "json_schema", "regex", "top_k", "top_p", "min_p", "n",
+                "sampling_seed"):
+        assert any(key in p for p in params), key
+    assert any(b.get("return_logprob") for b in bodies) and any(s.stream for s in specs)
+    assert min(p["max_new_tokens"] for p in params) == 1 and max(p["max_new_tokens"] for p in params) > 200
