@@ -62,9 +62,11 @@ bench-serving: $(INSTALLED)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
 	$(PY) bench/bench_serving.py
 
-# On a GPU machine: build with CUDA, cuda tests, compute-sanitizer, kernel benchmark -> $$OUT.
+# On a GPU machine, in <= 8 minutes: environment, CUDA build, smoke test, cuda tests, sanitizers,
+# kernel benchmark -> summary.json, logs.tar.gz, junit.tar.gz, bench_kernels.json in $(GPU_CHECK_OUT).
+GPU_CHECK_OUT ?= out
 gpu-check:
-	bash bench/gpu_check.sh
+	bash bench/gpu_check.sh "$(GPU_CHECK_OUT)"
 
 lint:
 	$(VENV)/bin/ruff check .

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from sglang_dflash import ops
+from sglang_dflash.ops.testing import make_context_kv_inputs
 
 DEV = "cuda"
 
@@ -50,6 +51,32 @@ def verify(dtype, vocab, temperature, top_k, top_p, bs=2, block=4, scale=3.0, of
     assert int(out[0].min()) >= 0
 
 
+def gumbel(dtype, rows, n, with_ids):
+    scores = torch.randn(rows, n, device=DEV).to(dtype)
+    ids = torch.randperm(3 * n, device=DEV)[:n] if with_ids else None
+    offsets = torch.randint(0, 1 << 40, (rows,), device=DEV)
+    out = ops.gumbel_argmax(scores, ids, 5, offsets, torch.randint(0, 16, (rows,), device=DEV))
+    torch.cuda.synchronize()
+    assert int(out.min()) >= 0 and int(out.max()) < n
+
+
+def context_kv(dtype, pool_dtype, head_dim, rotary_dim, is_neox=True, pad=0):
+    """Two layers; two rows skipped (out_loc -1), pools strided when pad > 0."""
+    args = make_context_kv_inputs(9, 64, 2, 2, head_dim, rotary_dim, dtype, pool_dtype, seed=0, skip=2,
+                                  is_neox=is_neox, pad=pad)
+
+    def move(v):  # pools keep their padded layout: views of a moved base
+        if isinstance(v, list):
+            return [move(t) for t in v]
+        if not isinstance(v, torch.Tensor):
+            return v
+        base = v._base if v._base is not None else v
+        return base.to(DEV).as_strided(v.shape, v.stride(), v.storage_offset())
+
+    ops.materialize_context_kv(**{name: move(v) for name, v in args.items()})
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     small = "--small" in sys.argv
     # block attention: tensor-core path (with and without split), generic path, masks.
@@ -71,6 +98,12 @@ def main() -> None:
     ids = torch.randint(0, 9, (3, 5), device=DEV, dtype=torch.int32)
     ops.verify_block_from_ids(torch.randint(0, 9, (3, 5), device=DEV), ids)
     torch.cuda.synchronize()
+    # gumbel_argmax: with and without ids, a row longer than one block's pass.
+    gumbel(torch.float32, 3, 1000, True)
+    gumbel(torch.bfloat16, 2, 40000, False)
+    # materialize_context_kv: neox and interleaved RoPE, partial rotary, strided pools.
+    context_kv(torch.bfloat16, torch.bfloat16, 128, 128)
+    context_kv(torch.float32, torch.float16, 64, 32, is_neox=False, pad=3)
     print("sanitize_kernels: all calls completed")
 
 
