@@ -17,6 +17,7 @@ import importlib.util
 import json
 import time
 import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,25 +29,30 @@ if importlib.util.find_spec("sglang") is None:
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
-from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_args, server_env
+from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_args, server_env, sigterm_in_flight
 
 pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT = 600
 MAX_NEW_TOKENS = 64
+# Questions SmolLM2 answers in a few tokens, so EOS comes inside a block and ends the request there.
+SHORT_ANSWER_PROMPTS = ["What is the capital of France? Answer with one word.", "What is 2 + 2?", "Hi!"]
 CODE_PROMPTS = [
     "Write a Python function `is_prime(n)` that returns True when n is a prime number.",
     "Complete this function:\n\ndef running_mean(xs):\n    \"\"\"Return the list of running means of xs.\"\"\"\n",
 ]
 
 
-def _prompts(target: Path) -> list[str]:
+def _chat(target: Path, questions: list[str]) -> list[str]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    questions = [json.loads(line)["question"] for line in gsm8k_path("test").open()][:2] + CODE_PROMPTS
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
             for q in questions]
+
+
+def _prompts(target: Path) -> list[str]:
+    return _chat(target, [json.loads(line)["question"] for line in gsm8k_path("test").open()][:2] + CODE_PROMPTS)
 
 
 def _generate(server: LocalServer, text: str, max_new_tokens=MAX_NEW_TOKENS, return_logprob=False,
@@ -56,8 +62,27 @@ def _generate(server: LocalServer, text: str, max_new_tokens=MAX_NEW_TOKENS, ret
                        timeout=300)
 
 
-def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list[str]) -> dict:
-    """Starts a server, sends the requests, stops it; returns what it answered and its log."""
+def _abort_while_running(server: LocalServer, text: str) -> dict:
+    """A long streamed request, aborted through /abort_request once it has streamed a token; its
+    last chunk."""
+    rid = f"abort-me-{server.name}"
+    body = {"rid": rid, "text": text, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}}
+    request = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    final = None
+    with urllib.request.urlopen(request, timeout=300) as r:
+        for line in r:
+            if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
+                if final is None:
+                    server.abort(rid)
+                final = json.loads(line[5:])
+    return final
+
+
+def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list[str], short: list[str]) -> dict:
+    """Starts a server, sends the requests, stops it with SIGTERM while requests run; returns what
+    it answered, its KV usage once idle, how it shut down and its log."""
     server = LocalServer(name, launch_args(target, free_port(), draft=draft, extra=["--max-total-tokens", "4096"]),
                          server_env(tmp, OMP_NUM_THREADS="2"), tmp / f"{name}.log")
     try:
@@ -77,7 +102,12 @@ def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list
         # and the logprobs of the committed tokens.
         edges = [_generate(server, p, max_new_tokens=n, stop=stop, return_logprob=True)
                  for p in prompts[:2] for n, stop in ((7, None), (13, None), (48, ["."]), (48, ["\n"]))]
-        return dict(alone=alone, together=together, bad=bad, after_bad=after_bad, edges=edges, log=server.text())
+        eos = [_generate(server, p, max_new_tokens=48) for p in short]
+        aborted = _abort_while_running(server, prompts[0])
+        idle = server.wait_idle(timeout=60)
+        shutdown = sigterm_in_flight(server, prompts[:3], max_new_tokens=48)
+        return dict(alone=alone, together=together, bad=bad, after_bad=after_bad, edges=edges, eos=eos,
+                    aborted=aborted, idle=idle, shutdown=shutdown, log=server.text())
     finally:
         server.stop()
 
@@ -86,9 +116,9 @@ def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smollm2_servers")
     target, draft = packaged_model_dir("smollm2-135m"), resolve_draft(SHIPPED_DRAFTER)
-    prompts = _prompts(target)
-    plain = _serve("plain", target, None, tmp, prompts)
-    dflash = _serve("dflash", target, draft, tmp, prompts)
+    prompts, short = _prompts(target), _chat(target, SHORT_ANSWER_PROMPTS)
+    plain = _serve("plain", target, None, tmp, prompts, short)
+    dflash = _serve("dflash", target, draft, tmp, prompts, short)
     return plain, dflash
 
 
@@ -153,3 +183,34 @@ def test_block_edges_end_requests_as_plain_decoding_does(runs):
         assert ours_lp == pytest.approx(theirs_lp, abs=1e-3)
     assert [len(r["output_ids"]) for r in dflash["edges"][:2]] == [7, 13]
     assert stopped >= 2  # the stop strings did end requests early
+
+
+def test_eos_inside_a_block_ends_the_request_there(runs):
+    """Short answers end with EOS inside a verified block: the answer stops at the EOS (the block's
+    tokens after it are dropped), exactly as plain decoding stops."""
+    plain, dflash = runs
+    eos_id = 2  # SmolLM2-Instruct's <|im_end|>
+    for ours, theirs in zip(dflash["eos"], plain["eos"], strict=True):
+        assert ours["output_ids"] == theirs["output_ids"]
+        assert ours["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos_id}
+        assert ours["output_ids"][-1] == eos_id and eos_id not in ours["output_ids"][:-1]
+        assert len(ours["output_ids"]) < 48
+        assert ours["meta_info"]["dflash_block_size"][-1] >= 2  # the EOS came from a block, not a plain step
+
+
+def test_an_aborted_request_ends_with_abort_and_frees_its_kv_slots(runs):
+    for run in runs:
+        meta = run["aborted"]["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort", meta["finish_reason"]
+        assert meta["completion_tokens"] < 200
+        # Once idle, no request holds a KV slot (the draft K/V live in the same pool's slots).
+        assert run["idle"]["num_used_tokens"] == 0, run["idle"]
+    assert "memory leak detected" not in runs[1]["log"]
+
+
+def test_sigterm_with_requests_in_flight_answers_them_and_ends_every_process(runs):
+    for run in runs:
+        shutdown = run["shutdown"]
+        assert shutdown["clients_hung"] == 0 and shutdown["processes_left_after_exit"] == [], shutdown
+        # SGLang drains running requests on SIGTERM: each gets its whole answer.
+        assert [o["outcome"] for o in shutdown["outcomes"]] == ["answered"] * 3, shutdown
