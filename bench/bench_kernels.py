@@ -1,456 +1,804 @@
-"""GPU microbenchmarks of the CUDA kernels against baselines, side by side in one process.
+"""GPU benchmark of our CUDA kernels against fair baselines, each checked before it is timed.
 
-block_attention (bf16, Qwen3-8B draft shapes: Hq 32, Hkv 8, D 128, B 16) against
-  (a) PyTorch SDPA on the K/V gathered from the paged cache (gather + SDPA, the honest cost of a
-      dense kernel on a paged cache),
-  (b) FlashInfer's paged prefill with causal=False, page size 1, when flashinfer is importable,
-  (c) a Triton paged attention written here (all B x group rows of a kv head per program).
-verify_block (V 151936, B 16) against
-  - the PyTorch spec (sglang_dflash.ops.reference, a Python loop over rows),
-  - a dense-probabilities path like SGLang's torch fallback: softmax -> sort -> top-k / top-p
-    renorm -> multinomial, then a vectorised accept scan (greedy: argmax + accept scan).
+block_attention (bf16, Qwen3-8B draft shapes: Hq 32, Hkv 8, D 128, block 16; non-causal, no window, as
+DFlash drafts; context slots a random permutation of the cache, the hard case for a paged gather):
+  sdpa_pregathered  torch SDPA on K/V already gathered into contiguous [bs, S, Hkv, D] tensors: the gather
+                    is not timed, so this is a dense lower bound. The queries of a GQA group are packed
+                    into one head's query rows ([bs, Hkv, B*G, D]), exact for a mask-free block and K/V
+                    read once; the first backend that runs of FLASH / EFFICIENT / CUDNN / MATH is used and
+                    recorded.
+  triton_split_kv   a flash-decoding Triton kernel on the paged cache: phase 1 splits each request's
+                    context into chunks (split count from shapes, like ours), one program per (request, kv
+                    head, chunk) keeps (max, sum, acc) for all B*G query rows; phase 2 merges the chunks.
+verify_block (V 151936, block 16, fp32 logits; greedy, temperature 1, and T 0.7 / top-k 20 / top-p 0.95):
+  torch_argmax_accept  greedy: argmax, then the longest agreeing prefix + bonus, in plain torch ops.
+  torch_sampled        SGLang's production-style path in plain torch: softmax(logits / T), top-k by
+                       torch.topk and top-p renormalised within those candidates (no full-vocabulary
+                       sort), multinomial, then the same accept rule.
+Every implementation runs once on the first input set and is compared with sglang_dflash.ops.reference
+(attention: max over (row, head) of the relative L2 error <= 2e-2; verify: exact, with ours checked on
+up to 2 requests of the Python-loop spec when sampling, and the sampled baseline unchecked as it draws
+other samples by design). One that fails or raises is not timed; its failure goes into the case and
+the exit status.
 
-Times are medians of CUDA-event timings over many runs, rotating among input sets so that small
-cases do not run from L2. hbm_fraction = bytes that must be read (context K/V, or logits) / time,
-over the device-to-device copy bandwidth measured at start. Writes one JSON file.
+Timing: CUDA events around each call, each call queued behind a ~1 ms sleep kernel so the events see
+device time, not Python overhead (SGLang replays these ops in CUDA graphs; a call whose host time
+exceeds the sleep is flagged host_bound). Calls rotate over enough input sets that >= 4x the L2
+cache's bytes are read before a set comes back (at least 2 sets), so no case runs from L2. Reported:
+median, p10, p90 of the per-call times. hbm_fraction = the bytes the op must move once (counted per op
+below) / our median time / the device-to-device copy bandwidth measured at the start of the same run;
+hbm_fraction_spec uses the data-sheet bandwidth instead (H200: 4.8 TB/s).
+
+Writes one JSON (default bench/results/bench_kernels_<device>.json), rewritten after every case so a run
+cut short keeps what it measured, and prints the issue's goals as a table at the end. Needs a CUDA GPU
+and the extension built with its CUDA kernels; exits 1 when any check failed or an implementation
+raised.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
+import functools
 import json
 import math
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from provenance import run_info  # bench/ is on sys.path when this file runs as a script
 
 from sglang_dflash import ops
+from sglang_dflash._extension import has_cuda_kernels
 from sglang_dflash.ops import reference
 
-DEV = torch.device("cuda")
-L2_FLUSH_BYTES = 256 << 20  # rotate inputs until one round touches at least this much
-
-
-def timed(fn, inputs, *, max_reps=100, budget_s=0.4, warmup=2, min_reps=3, sleep_cycles=2_000_000):
-    """Median milliseconds of fn(*inputs[i % len(inputs)]) over CUDA events.
-
-    Each timed call is queued behind a ~1 ms sleep kernel, so the host enqueues it while the GPU
-    is busy and the events measure device time, not Python / dispatch overhead (SGLang replays
-    these ops inside CUDA graphs). A baseline slower on the host than on the GPU (the Python-loop
-    spec) still shows its full cost."""
-    for i in range(warmup):
-        fn(*inputs[i % len(inputs)])
-    torch.cuda.synchronize()
-    times = []
-    start_wall = time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start_wall < budget_s):
-        args = inputs[len(times) % len(inputs)]
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if sleep_cycles:
-            torch.cuda._sleep(sleep_cycles)
-        a.record()
-        fn(*args)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def measure_hbm_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    ms = timed(lambda: dst.copy_(src), [()], max_reps=20, budget_s=0.5, sleep_cycles=0)
-    return 2 * (1 << 30) / (ms * 1e-3)
+ATTN_SHAPE = dict(hq=32, hkv=8, head_dim=128, block=16)  # Qwen3-8B's draft
+VERIFY_BLOCK = 16
+VOCAB = 151_936  # Qwen3
+VERIFY_MODES = {  # (temperature, top_k, top_p)
+    "greedy": (0.0, 0, 1.0),
+    "temperature": (1.0, 0, 1.0),
+    "top_k_top_p": (0.7, 20, 0.95),
+}
+SEED = 7
+ATTN_TOL = 2e-2  # max per-(row, head) relative error vs the fp32 reference, bf16 inputs
+L2_MULTIPLE = 4  # bytes read between two uses of one input set, in L2 sizes
+L2_FALLBACK_BYTES = 128 << 20  # when torch does not report the L2 size: more than any GPU has today
+SPEC_HBM_BYTES_PER_S = {"H200": 4.8e12}  # data sheet, matched against the device name
+SLEEP_CYCLES = 2_000_000  # ~1 ms at 2 GHz: longer than any benchmarked call's host time
+LOG2E = 1.4426950408889634
+GOALS = (  # issue 16: (name, which cases, value read off, target)
+    ("block_attention HBM fraction, ctx >= 8k",
+     lambda c: c["op"] == "block_attention" and c["ctx"] >= 8192, lambda c: c.get("hbm_fraction"), 0.70),
+    ("block_attention speedup vs sdpa_pregathered, bs <= 8",
+     lambda c: c["op"] == "block_attention" and c["bs"] <= 8,
+     lambda c: c.get("speedup", {}).get("sdpa_pregathered"), 1.5),
+    ("sampled verify speedup vs torch_sampled, bs 32, V 151936",
+     lambda c: c["op"] == "verify_block" and c["mode"] != "greedy" and c["bs"] == 32 and c["vocab"] == 151_936,
+     lambda c: c.get("speedup", {}).get("torch_sampled"), 5.0),
+)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
-# block attention baselines
+# Pure parts: cases, byte counts, rotation, statistics, records, goals (unit-tested on the CPU).
 
 
-def sdpa_gathered(q, k_block, v_block, k_cache, v_cache, slots, block, sm_scale):
-    """Gather each request's context K/V (all requests have the same length here), then SDPA."""
+def attention_cases(quick: bool) -> list[tuple[int, int]]:
+    """(batch, context length) pairs; --quick keeps one case per attention goal."""
+    if quick:
+        return [(1, 8192), (8, 16384)]
+    return [(bs, ctx) for bs in (1, 4, 8, 32, 64) for ctx in (1024, 4096, 8192, 16384, 32768)]
+
+
+def verify_cases(quick: bool) -> list[tuple[int, str]]:
+    """(batch, mode) pairs; --quick keeps the goal's batch of 32."""
+    return [(bs, mode) for bs in ((32,) if quick else (1, 8, 32, 128)) for mode in VERIFY_MODES]
+
+
+def block_attention_bytes(bs: int, ctx: int, block: int, hq: int, hkv: int, head_dim: int, elem_bytes: int,
+                          index_bytes: int = 4) -> int:
+    """Bytes block_attention must move at least once, each request having `ctx` context tokens: read the
+    context K and V (bs * ctx tokens x Hkv x D each), their slot ids (the first ctx entries of each
+    req_to_token row), q [N, Hq, D], the block's K and V [N, Hkv, D], ctx_lens and req_pool_indices;
+    write out [N, Hq, D]. N = bs * block. The split-KV workspace is not counted: it is the kernel's
+    choice, not the op's cost."""
+    n = bs * block
+    context_kv = 2 * bs * ctx * hkv * head_dim * elem_bytes
+    slot_ids = bs * ctx * index_bytes
+    queries_and_block_kv = n * (hq + 2 * hkv) * head_dim * elem_bytes
+    per_request = 2 * bs * index_bytes
+    out = n * hq * head_dim * elem_bytes
+    return context_kv + slot_ids + queries_and_block_kv + per_request + out
+
+
+def block_attention_flops(bs: int, ctx: int, block: int, hq: int, head_dim: int) -> int:
+    """Multiply-adds x 2 of QK^T and PV: every query row against ctx + block keys."""
+    return 2 * 2 * bs * block * hq * (ctx + block) * head_dim
+
+
+def verify_bytes(bs: int, block: int, vocab: int, logit_bytes: int) -> int:
+    """Bytes verify_block must move at least once: read logits [bs * block, V], candidates int64
+    [bs, block] and per request temperature f32, top_k i32, top_p f32, offsets i64; write accept_len
+    i32 [bs], bonus i64 [bs] and out_tokens i64 [bs, block]. Sampling modes that need a second pass over
+    the logits pay for it in their fraction."""
+    rows = bs * block
+    return rows * vocab * logit_bytes + rows * 8 + bs * (4 + 4 + 4 + 8) + bs * (4 + 8) + rows * 8
+
+
+def rotation_sets(case_bytes: int, l2_bytes: int, multiple: int = L2_MULTIPLE) -> int:
+    """Input sets to rotate over so that `multiple` L2 sizes of other inputs are read between two uses
+    of one set; at least 2, so consecutive calls never share inputs even when one set outgrows L2."""
+    return max(2, math.ceil(multiple * l2_bytes / case_bytes))
+
+
+def timing_summary(times_ms: Sequence[float]) -> dict:
+    """Median, p10 and p90 (inclusive deciles, linear interpolation) of >= 2 per-call times."""
+    deciles = statistics.quantiles(times_ms, n=10, method="inclusive")
+    return dict(median_ms=statistics.median(times_ms), p10_ms=deciles[0], p90_ms=deciles[-1], reps=len(times_ms))
+
+
+def triton_num_splits(bs: int, hkv: int, ctx: int, sm_count: int, min_keys: int = 256, max_splits: int = 32) -> int:
+    """Chunks per request for the Triton split-KV kernel: about two (request, kv head, chunk) programs
+    per SM, each chunk at least `min_keys` keys, at most `max_splits`. Our kernel's rule with its
+    constants (csrc/cuda/NOTES.md, one row tile here), so both get the same parallelism."""
+    return max(1, min(2 * sm_count // (bs * hkv), math.ceil(ctx / min_keys), max_splits))
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def filter_k(top_k: Sequence[int], top_p: Sequence[float], vocab: int) -> int | None:
+    """How many candidates per row the sampled baseline must take with torch.topk: None when no row
+    filters (sample the full softmax), the largest top-k when every row has one, else the whole
+    vocabulary (a row without top-k but with top-p needs all its probabilities sorted)."""
+    if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p):
+        return None
+    if all(k > 0 for k in top_k):
+        return min(max(top_k), vocab)
+    return vocab
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200', for result file names."""
+    return re.sub(r"[^a-z0-9]+", "_", re.sub(r"^nvidia\s+", "", name.lower())).strip("_")
+
+
+def default_out(device_name: str, quick: bool) -> str:
+    name = f"bench_kernels_{device_slug(device_name)}{'_quick' if quick else ''}.json"
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
+
+
+def spec_bandwidth(device_name: str) -> float | None:
+    return next((bw for key, bw in SPEC_HBM_BYTES_PER_S.items() if key in device_name), None)
+
+
+def case_record(shape: dict, nbytes: int, ours: dict, baselines: dict[str, dict], bw: float,
+                spec_bw: float | None, **extra) -> dict:
+    """One case's JSON record. `ours` and each baseline hold a timing (timing_summary's keys) or an
+    "error"; speedups are baseline median / our median; hbm_fraction = nbytes / our median / the measured
+    copy bandwidth (hbm_fraction_spec: / the data-sheet bandwidth); floor_ms = nbytes at that bandwidth."""
+    record = {**shape, "bytes": nbytes, **extra, "ours": ours, "baselines": baselines}
+    record["failures"] = [f"{name}: {r['error']}" for name, r in {"ours": ours, **baselines}.items() if "error" in r]
+    record["floor_ms"] = nbytes / bw * 1e3
+    if "median_ms" in ours:
+        seconds = ours["median_ms"] * 1e-3
+        record["hbm_fraction"] = nbytes / seconds / bw
+        record["hbm_fraction_spec"] = nbytes / seconds / spec_bw if spec_bw else None
+        record["speedup"] = {name: r["median_ms"] / ours["median_ms"] for name, r in baselines.items()
+                             if "median_ms" in r}  # fmt: skip
+    return record
+
+
+def case_label(case: dict) -> str:
+    if case["op"] == "block_attention":
+        return f"bs {case['bs']} ctx {case['ctx']}"
+    return f"bs {case['bs']} {case['mode']}"
+
+
+def goal_rows(cases: Sequence[dict]) -> list[dict]:
+    """One row per (goal, case it applies to): the value read off (None: not measured) and whether it
+    meets the target."""
+    rows = []
+    for name, applies, value_of, target in GOALS:
+        for case in cases:
+            if applies(case):
+                value = value_of(case)
+                rows.append(dict(goal=name, case=case_label(case), value=value, target=target,
+                                 met=value is not None and value >= target))  # fmt: skip
+    return rows
+
+
+def goal_table(rows: Sequence[dict]) -> str:
+    """One line per goal: target, cases that meet it out of those it applies to, the worst value."""
+    lines = [f"{'goal':58s} {'target':>6s} {'met':>7s}  worst"]
+    for name, *_, target in GOALS:
+        mine = [r for r in rows if r["goal"] == name]
+        measured = [r for r in mine if r["value"] is not None]
+        worst = min(measured, key=lambda r: r["value"], default=None)
+        worst_text = f"{worst['value']:.2f} ({worst['case']})" if worst else "-"
+        met = f"{sum(r['met'] for r in mine)}/{len(mine)}"
+        lines.append(f"{name:58s} {target:6.2f} {met:>7s}  {worst_text}")
+    return "\n".join(lines)
+
+
+def max_rel_err_per_row_head(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max over (row, head) of |out - ref| / |ref| (L2 over head_dim): one norm over the whole output
+    would hide a wrong head or row. NaN when out holds a NaN."""
+    diff = (out.float() - ref.float()).norm(dim=-1)
+    return float((diff / ref.float().norm(dim=-1).clamp_min(1e-6)).max())
+
+
+def attention_check(ref: torch.Tensor, packed_block: int | None = None) -> Callable:
+    """check(out) -> (detail, passed) against the reference output; packed_block: out is in
+    pack_queries' layout with that block size."""
+
+    def check(out: torch.Tensor) -> tuple[str, bool]:
+        err = max_rel_err_per_row_head(out if packed_block is None else unpack_out(out, packed_block), ref)
+        return f"max per-(row, head) relative error {err:.2e} (tolerance {ATTN_TOL:.0e})", err <= ATTN_TOL
+
+    return check
+
+
+# ------------------------------------------------------------------------------------------------
+# Baselines in plain torch (they run on the CPU too, which is how the tests check them).
+
+
+def pack_queries(q: torch.Tensor, block: int, hkv: int) -> torch.Tensor:
+    """q [bs * block, Hq, D] -> [bs, Hkv, block * G, D]: the G query heads that share a kv head become
+    that head's query rows (GQA as multi-head attention; exact when no mask depends on the row)."""
+    n, hq, d = q.shape
+    return q.view(n // block, block, hkv, hq // hkv, d).permute(0, 2, 1, 3, 4).reshape(n // block, hkv, -1, d)
+
+
+def unpack_out(out: torch.Tensor, block: int) -> torch.Tensor:
+    """pack_queries' layout back to [bs * block, Hq, D]."""
+    bs, hkv, rows, d = out.shape
+    g = rows // block
+    return out.view(bs, hkv, block, g, d).permute(0, 2, 1, 3, 4).reshape(bs * block, hkv * g, d)
+
+
+def gather_kv(cache: torch.Tensor, block_kv: torch.Tensor, req_to_token: torch.Tensor,
+              req_pool_indices: torch.Tensor, ctx: int, block: int) -> torch.Tensor:
+    """Each request's ctx context tokens then its block, contiguous: [bs, Hkv, ctx + block, D] (a view
+    of [bs, ctx + block, Hkv, D], the layout FlashAttention reads natively)."""
+    slots = req_to_token[req_pool_indices.long(), :ctx].long()
     bs = slots.shape[0]
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k_block.shape[1]
-    k = torch.cat([k_cache[slots], k_block.view(bs, block, hkv, d)], dim=1).transpose(1, 2)
-    v = torch.cat([v_cache[slots], v_block.view(bs, block, hkv, d)], dim=1).transpose(1, 2)
-    qh = q.view(bs, block, hq, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qh, k, v, scale=sm_scale, enable_gqa=True)
-    return out.transpose(1, 2).reshape(bs * block, hq, d)
+    kv = torch.cat([cache[slots], block_kv.view(bs, block, *block_kv.shape[1:])], dim=1)
+    return kv.transpose(1, 2)
 
 
-_triton_kernel = None
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
-def _build_triton():
-    global _triton_kernel
-    if _triton_kernel is not None:
-        return _triton_kernel
+def sdpa_call(backend: str, scale: float) -> Callable:
+    """F.scaled_dot_product_attention restricted to one backend (raises when it cannot run the inputs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def call(q, k, v):
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    return call
+
+
+def pick_sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> str:
+    """The first of SDPA_BACKENDS that runs these inputs."""
+    reasons = []
+    for backend in SDPA_BACKENDS:
+        try:
+            with warnings.catch_warnings():  # each refusing backend warns why; the reasons are kept below
+                warnings.simplefilter("ignore")
+                sdpa_call(backend, scale)(q, k, v)
+            return backend
+        except RuntimeError as exc:
+            reasons.append(f"{backend}: {exc}")
+    raise RuntimeError("no SDPA backend runs these inputs: " + "; ".join(reasons))
+
+
+def accept_from_targets(candidates: torch.Tensor, targets: torch.Tensor):
+    """verify_block's accept rule, vectorised: the longest draft prefix equal to the target's tokens,
+    then the bonus. candidates, targets int64 [bs, B]; returns (accept_len i32, bonus i64, out_tokens
+    i64 [bs, B]: accepted drafts, the bonus, then -1)."""
+    block = candidates.shape[1]
+    accept = (candidates[:, 1:] == targets[:, :-1]).int().cumprod(dim=1).sum(dim=1, keepdim=True)
+    bonus = targets.gather(1, accept.long())
+    pos = torch.arange(block, device=candidates.device)
+    out = torch.where(pos < accept, candidates.roll(-1, dims=1), -1).scatter(1, accept.long(), bonus)
+    return accept[:, 0].int(), bonus[:, 0], out
+
+
+def greedy_verify(candidates: torch.Tensor, logits: torch.Tensor):
+    return accept_from_targets(candidates, logits.argmax(dim=-1).view(candidates.shape))
+
+
+def sampled_targets(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    k_max: int | None) -> torch.Tensor:
+    """One sample per row, SGLang's way without a full sort: softmax(logits / T), then (k_max not None)
+    the k_max most likely ids by torch.topk, those past each row's top_k dropped, top-p applied to what
+    is left (an id stays while the mass strictly above it < top_p of the kept mass), multinomial over
+    the kept probabilities (it renormalises them). Per request parameters over bs * B rows; temperature
+    > 0 (SGLang gives greedy requests of a sampled batch top_k = 1). k_max: filter_k's value."""
+    block = logits.shape[0] // temperature.numel()
+    probs = torch.softmax(logits.float() / temperature.repeat_interleave(block)[:, None], dim=-1)
+    if k_max is None:
+        return torch.multinomial(probs, 1)[:, 0]
+    vals, ids = probs.topk(k_max, dim=-1)
+    k_rows = top_k.repeat_interleave(block)[:, None]
+    vals = vals.masked_fill((k_rows > 0) & (torch.arange(k_max, device=vals.device) >= k_rows), 0.0)
+    mass_above = vals.cumsum(dim=-1) - vals
+    vals = vals.masked_fill(mass_above >= top_p.repeat_interleave(block)[:, None] * vals.sum(-1, keepdim=True), 0.0)
+    return ids.gather(1, torch.multinomial(vals, 1))[:, 0]
+
+
+def sampled_verify(candidates, logits, temperature, top_k, top_p, k_max):
+    targets = sampled_targets(logits, temperature, top_k, top_p, k_max).view(candidates.shape)
+    return accept_from_targets(candidates, targets)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton split-KV paged attention
+
+
+@functools.cache
+def _triton_kernels():
+    """Both phases' kernels, defined on first use: Triton is imported only here (the rest of this file
+    imports without it), and TRITON_INTERPRET=1, read when a kernel is defined, runs them on a CPU."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def kernel(
-        Q, KB, VB, KC, VC, TABLE, POOLS, CTX, OUT, sm_scale,
-        s_qn, s_qh, s_kbn, s_kbh, s_kcs, s_kch, s_tr, s_on, s_oh,
-        HKV: tl.constexpr, B: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+    def split_kernel(
+        Q, KB, VB, KC, VC, TABLE, POOLS, CTX, M, L, ACC, qk_scale, n_splits,
+        s_qn, s_qh, s_bn, s_bh, s_cs, s_ch, s_tr,
+        HKV: tl.constexpr, B: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, BP: tl.constexpr,
+        D: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
+        # Program (request b, kv head h, chunk split): all B * G query rows of b that read kv head h,
+        # against keys [start, end) of b's context; split 0 also takes the block's own B keys. Scores
+        # are in log2 units (qk_scale = sm_scale * log2 e).
         pid = tl.program_id(0)
+        split = tl.program_id(1)
         b = pid // HKV
         h = pid % HKV
-        rows = tl.arange(0, B * G)
-        qi = rows // G
-        qg = rows % G
+        rows = tl.arange(0, ROWS)  # row r: block row r // G, query head h * G + r % G
+        row_ok = rows < B * G
         dims = tl.arange(0, D)
-        q = tl.load(Q + (b * B + qi)[:, None] * s_qn + (h * G + qg)[:, None] * s_qh + dims[None, :])
-        ctx = tl.load(CTX + b).to(tl.int64)
-        pool = tl.load(POOLS + b).to(tl.int64)
-        m_i = tl.full([B * G], float("-inf"), tl.float32)
-        l_i = tl.zeros([B * G], tl.float32)
-        acc = tl.zeros([B * G, D], tl.float32)
-        for start in range(0, ctx, BLOCK_N):
-            keys = start + tl.arange(0, BLOCK_N)
-            valid = keys < ctx
-            slots = tl.load(TABLE + pool * s_tr + keys, mask=valid, other=0).to(tl.int64)
-            k = tl.load(KC + slots[None, :] * s_kcs + h * s_kch + dims[:, None],
-                        mask=valid[None, :], other=0.0)  # fmt: skip
-            s = tl.dot(q, k) * sm_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
+        q = tl.load(Q + (b * B + rows // G)[:, None] * s_qn + (h * G + rows % G)[:, None] * s_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)  # fmt: skip
+        ctx = tl.load(CTX + b)
+        table = TABLE + tl.load(POOLS + b).to(tl.int64) * s_tr
+        chunk = tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(start + chunk, ctx)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        for first in range(start, end, BLOCK_N):
+            keys = first + tl.arange(0, BLOCK_N)
+            valid = keys < end
+            slots = tl.load(table + keys, mask=valid, other=0).to(tl.int64)
+            k = tl.load(KC + slots[None, :] * s_cs + h * s_ch + dims[:, None], mask=valid[None, :], other=0.0)
+            s = tl.where(valid[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            v = tl.load(VC + slots[:, None] * s_cs + h * s_ch + dims[None, :], mask=valid[:, None], other=0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(VC + slots[:, None] * s_kcs + h * s_kch + dims[None, :],
-                        mask=valid[:, None], other=0.0)  # fmt: skip
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        brow = tl.arange(0, B)
-        k = tl.load(KB + (b * B + brow)[None, :] * s_kbn + h * s_kbh + dims[:, None])
-        s = tl.dot(q, k) * sm_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VB + (b * B + brow)[:, None] * s_kbn + h * s_kbh + dims[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        out = acc / l_i[:, None]
-        tl.store(
-            OUT + (b * B + qi)[:, None] * s_on + (h * G + qg)[:, None] * s_oh + dims[None, :],
-            out.to(OUT.dtype.element_ty),
-        )
+        if split == 0:  # every block row sees every block key (the draft block is bidirectional)
+            keys = tl.arange(0, BP)
+            valid = keys < B
+            k = tl.load(KB + (b * B + keys)[None, :] * s_bn + h * s_bh + dims[:, None], mask=valid[None, :],
+                        other=0.0)  # fmt: skip
+            s = tl.where(valid[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            v = tl.load(VB + (b * B + keys)[:, None] * s_bn + h * s_bh + dims[None, :], mask=valid[:, None],
+                        other=0.0)  # fmt: skip
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        # An empty chunk stores (-inf, 0, 0): weight 0 in the merge.
+        part = (pid * n_splits + split) * ROWS + rows
+        tl.store(M + part, m_i)
+        tl.store(L + part, l_i)
+        tl.store(ACC + part[:, None] * D + dims[None, :], acc)
 
-    _triton_kernel = kernel
-    return kernel
+    @triton.jit
+    def merge_kernel(
+        M, L, ACC, OUT, n_splits, s_on, s_oh,
+        HKV: tl.constexpr, B: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        # Program (request, kv head, query row): weights 2^(m_s - max m) over the chunks. Split 0 holds
+        # the block's keys, so the max is finite and the sum positive.
+        pid = tl.program_id(0)
+        row = tl.program_id(1)
+        b = pid // HKV
+        h = pid % HKV
+        splits = tl.arange(0, SPLITS)
+        ok = splits < n_splits
+        part = (pid * n_splits + splits) * ROWS + row
+        m = tl.load(M + part, mask=ok, other=float("-inf"))
+        w = tl.exp2(m - tl.max(m, 0))
+        denom = tl.sum(w * tl.load(L + part, mask=ok, other=0.0), 0)
+        dims = tl.arange(0, D)
+        acc = tl.load(ACC + part[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(w[:, None] * acc, 0) / denom
+        tl.store(OUT + (b * B + row // G) * s_on + (h * G + row % G) * s_oh + dims, out.to(OUT.dtype.element_ty))
+
+    return split_kernel, merge_kernel
 
 
-def triton_block_attention(q, k_block, v_block, k_cache, v_cache, table, pools, ctx, block, scale):
-    """Non-causal, no window; K and V caches share strides; B x group a power of two."""
-    kernel = _build_triton()
+def triton_block_attention(q, k_block, v_block, k_cache, v_cache, req_to_token, req_pool_indices, ctx_lens,
+                           block_size: int, sm_scale: float, n_splits: int, block_n: int = 64) -> torch.Tensor:
+    """block_attention (window -1, causal_block False) by the Triton split-KV kernels; same arguments
+    and layout. head_dim a power of 2 >= 16, last dims contiguous, K and V sharing strides."""
+    split_kernel, merge_kernel = _triton_kernels()
     n, hq, d = q.shape
     hkv = k_block.shape[1]
-    bs = n // block
+    g = hq // hkv
+    bs = n // block_size
+    if d != next_pow2(d) or d < 16:
+        raise ValueError(f"triton_block_attention: head_dim {d} is not a power of 2 >= 16")
+    if k_cache.stride() != v_cache.stride() or k_block.stride() != v_block.stride():
+        raise ValueError("triton_block_attention: K and V must share strides")
+    if any(t.stride(-1) != 1 for t in (q, k_block, k_cache)):
+        raise ValueError("triton_block_attention: last dims must be contiguous")
+    rows = max(16, next_pow2(block_size * g))  # tl.dot needs >= 16 rows and power-of-2 tiles
+    parts = bs * hkv * n_splits
+    m = torch.empty(parts, rows, dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(parts, rows, d, dtype=torch.float32, device=q.device)
+    split_kernel[(bs * hkv, n_splits)](
+        q, k_block, v_block, k_cache, v_cache, req_to_token, req_pool_indices, ctx_lens, m, l_sum, acc,
+        sm_scale * LOG2E, n_splits, q.stride(0), q.stride(1), k_block.stride(0), k_block.stride(1),
+        k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
+        HKV=hkv, B=block_size, G=g, ROWS=rows, BP=max(16, next_pow2(block_size)), D=d, BLOCK_N=block_n,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
     out = torch.empty_like(q)
-    kernel[(bs * hkv,)](
-        q, k_block, v_block, k_cache, v_cache, table, pools, ctx, out, scale,
-        q.stride(0), q.stride(1), k_block.stride(0), k_block.stride(1),
-        k_cache.stride(0), k_cache.stride(1), table.stride(0), out.stride(0), out.stride(1),
-        HKV=hkv, B=block, G=hq // hkv, D=d, BLOCK_N=64, num_warps=4, num_stages=2,
+    merge_kernel[(bs * hkv, block_size * g)](
+        m, l_sum, acc, out, n_splits, out.stride(0), out.stride(1),
+        HKV=hkv, B=block_size, G=g, ROWS=rows, D=d, SPLITS=max(2, next_pow2(n_splits)), num_warps=4,
     )  # fmt: skip
     return out
 
 
-def flashinfer_runner(q, k_block, v_block, k_cache, v_cache, slots, block_slots, block, scale):
-    """FlashInfer paged prefill (page size 1, causal=False) over context + block slots; the block
-    K/V are written into the cache first, as SGLang's backend does (not timed)."""
-    import flashinfer
-
-    bs = slots.shape[0]
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k_block.shape[1]
-    k_cache[block_slots.reshape(-1)] = k_block
-    v_cache[block_slots.reshape(-1)] = v_block
-    indices = torch.cat([slots, block_slots], dim=1).reshape(-1).int()
-    per_req = slots.shape[1] + block
-    qo_indptr = torch.arange(0, bs + 1, device=DEV, dtype=torch.int32) * block
-    kv_indptr = torch.arange(0, bs + 1, device=DEV, dtype=torch.int32) * per_req
-    last = torch.ones(bs, dtype=torch.int32, device=DEV)
-    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-    wrapper.plan(
-        qo_indptr, kv_indptr, indices, last, hq, hkv, d, 1, causal=False, sm_scale=scale,
-        q_data_type=q.dtype, kv_data_type=k_cache.dtype,
-    )  # fmt: skip
-    paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # [pages, page_size 1, Hkv, D]
-    return lambda qq: wrapper.run(qq, paged)
-
-
-def bench_block_attention(cases, hbm_bw, log):
-    hq, hkv, d, block = 32, 8, 128, 16
-    scale = d**-0.5
-    max_tokens = max(bs * ctx for bs, ctx in cases)
-    bytes_per_token = 2 * hkv * d * 2  # K and V, bf16
-    n_rot_max = 4
-    n_slots = max(max_tokens, L2_FLUSH_BYTES // bytes_per_token * 2) + 64 * block * 4 + 64
-    g = torch.Generator(device=DEV).manual_seed(0)
-    k_cache = torch.randn(n_slots, hkv, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    v_cache = torch.randn(n_slots, hkv, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    results = []
-    for bs, ctx in cases:
-        case_bytes = bs * ctx * bytes_per_token
-        n_rot = max(1, min(n_rot_max, math.ceil(L2_FLUSH_BYTES / case_bytes)))
-        n_rot = min(n_rot, max(1, (n_slots - 64 * block * 4) // (bs * ctx)))
-        sets = []
-        perm = torch.randperm(n_slots - bs * block, device=DEV, generator=g)
-        for r in range(n_rot):
-            q = torch.randn(bs * block, hq, d, device=DEV, dtype=torch.bfloat16, generator=g)
-            kb = torch.randn(bs * block, hkv, d, device=DEV, dtype=torch.bfloat16, generator=g)
-            vb = torch.randn(bs * block, hkv, d, device=DEV, dtype=torch.bfloat16, generator=g)
-            slots = perm[r * bs * ctx : (r + 1) * bs * ctx].view(bs, ctx)
-            table = torch.zeros(bs, ctx + 8, dtype=torch.int32, device=DEV)
-            table[:, :ctx] = slots.int()
-            pools = torch.arange(bs, dtype=torch.int32, device=DEV)
-            lens = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
-            sets.append((q, kb, vb, table, pools, lens, slots.long()))
-
-        def ours(q, kb, vb, table, pools, lens, slots):
-            return ops.block_attention(q, kb, vb, k_cache, v_cache, table, pools, lens, block, scale)
-
-        entry = dict(
-            kernel="block_attention", bs=bs, ctx=ctx, hq=hq, hkv=hkv, head_dim=d, block=block,
-            dtype="bfloat16", bytes=case_bytes, rotating_sets=n_rot,
-        )  # fmt: skip
-        entry["ours_ms"] = timed(ours, sets)
-        baselines, errors, notes = {}, {}, {}
-        ref_out = sdpa_gathered(*sets[0][:3], k_cache, v_cache, sets[0][6], block, scale)
-        our_out = ours(*sets[0])
-        notes["rel_err_vs_sdpa"] = float((our_out.float() - ref_out.float()).norm() / ref_out.float().norm())
-        try:
-            baselines["sdpa_gathered"] = timed(
-                lambda q, kb, vb, t, p, ln, s: sdpa_gathered(q, kb, vb, k_cache, v_cache, s,
-                                                             block, scale),
-                sets,
-            )  # fmt: skip
-        except Exception as exc:  # noqa: BLE001
-            errors["sdpa_gathered"] = repr(exc)[:300]
-        try:
-            out = triton_block_attention(*sets[0][:3], k_cache, v_cache, *sets[0][3:6], block,
-                                         scale)  # fmt: skip
-            notes["triton_rel_err_vs_sdpa"] = float((out.float() - ref_out.float()).norm() / ref_out.float().norm())
-            baselines["triton"] = timed(
-                lambda q, kb, vb, t, p, ln, s: triton_block_attention(
-                    q, kb, vb, k_cache, v_cache, t, p, ln, block, scale
-                ),
-                sets,
-            )
-        except Exception as exc:  # noqa: BLE001
-            errors["triton"] = repr(exc)[:300]
-        try:
-            block_slots = torch.arange(bs * block, device=DEV).view(bs, block) + n_slots - bs * block
-            q, kb, vb, *_rest, slots = sets[0]
-            run = flashinfer_runner(q, kb, vb, k_cache, v_cache, slots, block_slots, block, scale)
-            baselines["flashinfer_paged_prefill"] = timed(run, [(s[0],) for s in sets[:1]])
-        except Exception as exc:  # noqa: BLE001
-            errors["flashinfer_paged_prefill"] = repr(exc)[:300]
-        finish(entry, baselines, errors, notes, hbm_bw)
-        results.append(entry)
-        log(entry)
-        del sets
-    return results
-
-
 # ------------------------------------------------------------------------------------------------
-# verify baselines
+# On the GPU: timing, device facts, the benchmarks.
+
+NO_CUDA = ("bench_kernels.py: no CUDA device (torch.cuda.is_available() is False; torch {torch}, CUDA {cuda}). "
+           "It times the CUDA kernels and runs only on a GPU machine (see bench/gpu_check.sh).")  # fmt: skip
+SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem", "power.draw", "power.limit",
+              "temperature.gpu")  # fmt: skip
 
 
-def accept_from_targets(candidates, y):
-    """Vectorised accept scan (what SGLang's greedy accept kernel computes)."""
-    bs, block = candidates.shape
-    agree = candidates[:, 1:] == y[:, :-1]
-    accept = agree.int().cumprod(dim=1).sum(dim=1)
-    bonus = y.gather(1, accept[:, None].long())[:, 0]
-    pos = torch.arange(block, device=y.device)[None, :]
-    out = torch.where(pos < accept[:, None], torch.roll(candidates, -1, dims=1), -1)
-    out = out.scatter(1, accept[:, None].long(), bonus[:, None])
-    return accept.int(), bonus, out
-
-
-def dense_verify(candidates, logits, temp, topk, topp):
-    """Dense probabilities: softmax -> sort -> top-k / top-p renorm -> multinomial -> accept."""
-    bs, block = candidates.shape
-    t_rows = temp.repeat_interleave(block)
-    greedy = t_rows <= 0
-    probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, t_rows)[:, None], dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
-    k_rows = topk.repeat_interleave(block)
-    drop = (k_rows[:, None] > 0) & (ranks >= k_rows[:, None])
-    cum = sorted_p.cumsum(dim=-1)
-    drop |= (cum - sorted_p) > topp.repeat_interleave(block)[:, None]
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    pick = torch.multinomial(sorted_p / sorted_p.sum(-1, keepdim=True), 1)
-    y = order.gather(1, pick)[:, 0]
-    y = torch.where(greedy, logits.argmax(-1), y).view(bs, block)
-    return accept_from_targets(candidates, y)
-
-
-def greedy_baseline(candidates, logits):
-    return accept_from_targets(candidates, logits.argmax(-1).view(candidates.shape))
-
-
-def bench_verify(batches, vocab, hbm_bw, log, dtype=torch.float32):
-    block = 16
-    results = []
-    g = torch.Generator(device=DEV).manual_seed(1)
-    modes = {
-        "greedy": (0.0, 0, 1.0),
-        "temperature": (1.0, 0, 1.0),
-        "top_k_top_p": (0.7, 20, 0.95),
-    }
-    for bs in batches:
-        case_bytes = bs * block * vocab * torch.finfo(dtype).bits // 8
-        n_rot = max(1, min(3, math.ceil(L2_FLUSH_BYTES / case_bytes)))
-        sets = []
-        for _ in range(n_rot):
-            logits = (torch.randn(bs * block, vocab, device=DEV, generator=g) * 4).to(dtype)
-            cand = torch.randint(0, vocab, (bs, block), device=DEV, generator=g)
-            cand[:, 1:] = logits.argmax(-1).view(bs, block)[:, :-1]  # long accepts
-            sets.append((cand, logits))
-        offs = torch.arange(bs, device=DEV, dtype=torch.int64) * 1000
-        for mode, (t, k, p) in modes.items():
-            temp = torch.full((bs,), t, device=DEV)
-            topk = torch.full((bs,), k, dtype=torch.int32, device=DEV)
-            topp = torch.full((bs,), p, device=DEV)
-            entry = dict(
-                kernel="verify_block", mode=mode, bs=bs, block=block, vocab=vocab,
-                dtype=str(dtype).replace("torch.", ""), temperature=t, top_k=k, top_p=p,
-                bytes=case_bytes, rotating_sets=n_rot,
-            )  # fmt: skip
-            params = (temp, topk, topp)
-            entry["ours_ms"] = timed(lambda c, lg, a=params, o=offs: ops.verify_block(c, lg, *a, 7, o), sets)
-            baselines, errors, notes = {}, {}, {}
-            try:
-                if mode == "greedy":
-                    baselines["torch_argmax_accept"] = timed(greedy_baseline, sets)
-                baselines["dense_probabilities"] = timed(
-                    lambda c, lg, a=params: dense_verify(c, lg, *a), sets, max_reps=30
-                )
-            except Exception as exc:  # noqa: BLE001
-                errors["dense_probabilities"] = repr(exc)[:300]
-            if bs <= 32:  # the Python-loop spec: seconds per call at larger batches
-                try:
-                    baselines["pytorch_reference"] = timed(
-                        lambda c, lg, a=params, o=offs: reference.verify_block(c, lg, *a, 7, o),
-                        sets[:1], max_reps=2, warmup=1, min_reps=1, budget_s=0.0,
-                    )  # fmt: skip
-                    ours = ops.verify_block(*sets[0], temp, topk, topp, 7, offs)
-                    ref = reference.verify_block(*sets[0], temp, topk, topp, 7, offs)
-                    notes["accept_len_equal_to_reference"] = bool(torch.equal(ours[0], ref[0]))
-                    notes["out_tokens_equal_to_reference"] = bool(torch.equal(ours[2], ref[2]))
-                except Exception as exc:  # noqa: BLE001
-                    errors["pytorch_reference"] = repr(exc)[:300]
-            finish(entry, baselines, errors, notes, hbm_bw)
-            results.append(entry)
-            log(entry)
-        del sets
-        torch.cuda.empty_cache()
-    return results
-
-
-def finish(entry, baselines, errors, notes, hbm_bw):
-    entry["baselines_ms"] = baselines
-    if errors:
-        entry["baseline_errors"] = errors
-    if notes:
-        entry["notes"] = notes
-    best = min(baselines.values()) if baselines else None
-    entry["best_baseline"] = min(baselines, key=baselines.get) if baselines else None
-    entry["speedup_vs_best_baseline"] = best / entry["ours_ms"] if best else None
-    entry["speedups"] = {k: v / entry["ours_ms"] for k, v in baselines.items()}
-    entry["hbm_fraction"] = entry["bytes"] / (entry["ours_ms"] * 1e-3) / hbm_bw
-
-
-def git_commit() -> str:
-    if os.environ.get("SGLANG_DFLASH_COMMIT"):
-        return os.environ["SGLANG_DFLASH_COMMIT"]
+def nvidia_smi(props) -> dict:
+    """Clocks (MHz), power (W) and temperature (C) of this GPU as nvidia-smi reports them, or why not."""
+    uuid = str(getattr(props, "uuid", ""))
+    select = ["-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"] if uuid else []
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()  # fmt: skip
-    except Exception:  # noqa: BLE001
-        return "unknown"
+        line = subprocess.run(["nvidia-smi", *select, f"--query-gpu={','.join(SMI_FIELDS)}",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20,
+                              check=True).stdout.strip().splitlines()[0]  # fmt: skip
+        return dict(zip(SMI_FIELDS, (v.strip() for v in line.split(",")), strict=True))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError) as exc:
+        return {"error": repr(exc)[:200]}
 
 
-def main() -> None:
+def device_info(props) -> dict:
+    info = dict(name=props.name, capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
+                total_memory_bytes=props.total_memory, l2_bytes=getattr(props, "L2_cache_size", None))  # fmt: skip
+    for key, attr in (("sm_clock_khz", "clock_rate"), ("memory_clock_khz", "memory_clock_rate"),
+                      ("memory_bus_width_bits", "memory_bus_width")):  # fmt: skip
+        info[key] = getattr(props, attr, None)  # not in every torch version
+    info["torch"], info["cuda"] = torch.__version__, torch.version.cuda
+    return info
+
+
+def time_calls(fn: Callable, sets: Sequence[tuple], sleep_ms: float, *, warmup: int = 3, min_reps: int = 10,
+               max_reps: int = 200, budget_s: float = 0.3) -> dict:
+    """timing_summary of fn(*sets[i % len(sets)]) over calls i = warmup, warmup + 1, ... (one counter
+    through warm-up and timing, so consecutive calls never share a set), plus host_bound."""
+    call = 0
+    for call in range(warmup):
+        fn(*sets[call % len(sets)])
+    torch.cuda.synchronize()
+    times, host_s = [], []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() < deadline):
+        call += 1
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)  # the GPU is busy while the host queues the call
+        start.record()
+        t0 = time.perf_counter()
+        fn(*sets[call % len(sets)])
+        host_s.append(time.perf_counter() - t0)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    summary = timing_summary(times)
+    # The GPU may have waited for the host inside the timed span: the time is then partly host time.
+    summary["host_bound"] = statistics.quantiles(host_s, n=10, method="inclusive")[-1] * 1e3 > sleep_ms
+    return summary
+
+
+def measure_copy_bandwidth(sleep_ms: float) -> float:
+    """Device-to-device copy of 1 GiB (far past L2), bytes read + written per second: the achievable
+    HBM bandwidth the fractions are relative to."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_calls(lambda: dst.copy_(src), [()], sleep_ms)["median_ms"]
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def measure_sleep_ms() -> float:
+    torch.cuda._sleep(SLEEP_CYCLES)  # the first launch loads the kernel
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop)
+
+
+@dataclasses.dataclass
+class Bench:
+    """One run's device facts, timing settings and growing JSON result. `device` and `timer` are
+    parameters so that the tests can run the benchmarks' plumbing on the CPU."""
+
+    out: str
+    props: object
+    l2_bytes: int
+    sleep_ms: float
+    bw: float
+    spec_bw: float | None
+    result: dict
+    device: torch.device = torch.device("cuda")
+    timer: Callable = time_calls
+
+    def measure(self, fn: Callable, sets: Sequence[tuple], check: Callable | None = None, **info) -> dict:
+        """fn checked on sets[0] (check(output) -> (detail, passed)) and then timed; or, when the check
+        fails or anything raises, {"error": ...} and no timing. `info` is recorded with the result."""
+        entry = dict(info)
+        try:
+            if check is not None:
+                entry["check"], passed = check(fn(*sets[0]))
+                if not passed:
+                    return {**entry, "error": f"check failed: {entry['check']}"}
+            return {**entry, **self.timer(fn, sets, self.sleep_ms)}
+        except Exception as exc:  # noqa: BLE001  (one implementation failing must not end the run)
+            return {**entry, "error": f"{type(exc).__name__}: {exc}"[:500]}
+
+    def add(self, record: dict) -> None:
+        """Keeps a case, rewrites the JSON, prints one line (and its failures, loudly)."""
+        self.result["cases"].append(record)
+        self.write()
+        parts = [f"{record['op']:15s} {case_label(record):22s}"]
+        for name, r in {"ours": record["ours"], **record["baselines"]}.items():
+            if "median_ms" in r:
+                speedup = record.get("speedup", {}).get(name)
+                ratio = f" (x{speedup:.2f})" if speedup else ""
+                backend = f" [{r['backend']}]" if "backend" in r else ""
+                parts.append(f"{name}{backend} {r['median_ms']:.4f} ms{ratio}")
+        if "hbm_fraction" in record:
+            parts.append(f"hbm {record['hbm_fraction']:.2f}")
+        print("  ".join(parts), flush=True)
+        for failure in record["failures"]:
+            print(f"  FAILED {failure}", flush=True)
+
+    def write(self) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.out)), exist_ok=True)
+        with open(self.out + ".tmp", "w") as f:
+            json.dump(self.result, f, indent=1)
+        os.replace(self.out + ".tmp", self.out)
+
+
+def after_device_errors(check: Callable) -> Callable:
+    """`check`, after ops.check_device_errors() found no index error recorded by our kernels (one voids
+    the output it was recorded for)."""
+
+    def run(out):
+        ops.check_device_errors()
+        return check(out)
+
+    return run
+
+
+def verify_check(expected: tuple, rows: int) -> Callable:
+    """check(out) -> (detail, passed): the first `rows` requests of a verify output equal `expected`
+    exactly (accept_len, bonus, out_tokens)."""
+
+    def check(out: tuple) -> tuple[str, bool]:
+        same = all(torch.equal(o[:rows].cpu(), e.cpu()) for o, e in zip(out, expected, strict=True))
+        return f"accept_len, bonus, out_tokens {'equal' if same else 'DIFFER'} (reference, {rows} requests)", same
+
+    return check
+
+
+def bench_verify(bench: Bench, cases: Sequence[tuple[int, str]], vocab: int = VOCAB, block: int = VERIFY_BLOCK) -> None:
+    logit_bytes = 4  # fp32 logits
+    dev = bench.device
+    g = torch.Generator(device=dev).manual_seed(1)
+    for bs in dict.fromkeys(bs for bs, _ in cases):
+        nbytes = verify_bytes(bs, block, vocab, logit_bytes)
+        n_sets = rotation_sets(nbytes, bench.l2_bytes)
+        sets = []
+        for _ in range(n_sets):
+            logits = torch.randn(bs * block, vocab, device=dev, generator=g) * 4
+            candidates = torch.empty(bs, block, dtype=torch.int64, device=dev)
+            candidates[:, 0] = torch.randint(0, vocab, (bs,), device=dev, generator=g)
+            candidates[:, 1:] = logits.argmax(-1).view(bs, block)[:, :-1]  # greedy accepts the whole block
+            sets.append((candidates, logits))
+        offsets = torch.arange(bs, dtype=torch.int64, device=dev) << 32
+        for mode in (m for b, m in cases if b == bs):
+            t, k, p = VERIFY_MODES[mode]
+            params = dict(temperature=torch.full((bs,), t, device=dev),
+                          top_k=torch.full((bs,), k, dtype=torch.int32, device=dev),
+                          top_p=torch.full((bs,), p, device=dev))  # fmt: skip
+            if mode == "greedy":
+                check_rows = bs
+                expected = reference.verify_block_from_ids(sets[0][0], sets[0][1].argmax(-1))
+                baselines = {"torch_argmax_accept": (greedy_verify, verify_check(expected, bs))}
+            else:  # the Python-loop spec costs ~ms per row: ours is checked on its first requests
+                check_rows = min(bs, 2)
+                expected = reference.verify_block(
+                    sets[0][0][:check_rows], sets[0][1][: check_rows * block],
+                    *(v[:check_rows] for v in params.values()), SEED, offsets[:check_rows],
+                )  # fmt: skip
+                k_max = filter_k([k] * bs, [p] * bs, vocab)
+                baselines = {"torch_sampled": (functools.partial(sampled_verify, **params, k_max=k_max), None)}
+            ours = functools.partial(ops.verify_block, **params, seed=SEED, offsets=offsets)
+            ours_entry = bench.measure(ours, sets, after_device_errors(verify_check(expected, check_rows)))
+            record = case_record(
+                dict(op="verify_block", mode=mode, bs=bs, block=block, vocab=vocab, dtype="float32",
+                     temperature=t, top_k=k, top_p=p),
+                nbytes, ours_entry, {name: bench.measure(fn, sets, check) for name, (fn, check) in baselines.items()},
+                bench.bw, bench.spec_bw, rotation_sets=n_sets,
+            )  # fmt: skip
+            bench.add(record)
+        del sets
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bench_attention(bench: Bench, cases: Sequence[tuple[int, int]], shape: dict = ATTN_SHAPE) -> None:
+    hq, hkv, d, block = shape["hq"], shape["hkv"], shape["head_dim"], shape["block"]
+    scale = d**-0.5
+    dtype = torch.bfloat16
+    dev = bench.device
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def case_bytes(bs, ctx):
+        return block_attention_bytes(bs, ctx, block, hq, hkv, d, dtype.itemsize)
+
+    # One cache for all cases, big enough for the largest case's rotation: each input set reads its own
+    # (random) slots of it.
+    n_slots = max(rotation_sets(case_bytes(bs, ctx), bench.l2_bytes) * bs * ctx for bs, ctx in cases)
+    k_cache = torch.randn(n_slots, hkv, d, device=dev, dtype=dtype, generator=g)
+    v_cache = torch.randn(n_slots, hkv, d, device=dev, dtype=dtype, generator=g)
+    for bs, ctx in cases:
+        nbytes = case_bytes(bs, ctx)
+        n_sets = rotation_sets(nbytes, bench.l2_bytes)
+        slots = torch.randperm(n_slots, device=dev, generator=g)[: n_sets * bs * ctx].view(n_sets, bs, ctx)
+        sets, dense_sets = [], []  # sets: block_attention's arguments up to ctx_lens
+        for r in range(n_sets):
+            q = torch.randn(bs * block, hq, d, device=dev, dtype=dtype, generator=g)
+            kb = torch.randn(bs * block, hkv, d, device=dev, dtype=dtype, generator=g)
+            vb = torch.randn(bs * block, hkv, d, device=dev, dtype=dtype, generator=g)
+            table = torch.zeros(bs, ctx + block, dtype=torch.int32, device=dev)  # SGLang's rows have room
+            pools = torch.randperm(bs, device=dev, generator=g).int()  # request b reads table row pools[b]
+            table[pools.long(), :ctx] = slots[r].int()
+            lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+            sets.append((q, kb, vb, k_cache, v_cache, table, pools, lens))
+            # The dense baseline's inputs, gathered here, outside the timing.
+            dense_sets.append((pack_queries(q, block, hkv), gather_kv(k_cache, kb, table, pools, ctx, block),
+                               gather_kv(v_cache, vb, table, pools, ctx, block)))  # fmt: skip
+        del slots
+        ref = reference.block_attention(*sets[0], block, scale)
+        ours = functools.partial(ops.block_attention, block_size=block, sm_scale=scale)
+        ours_entry = bench.measure(ours, sets, after_device_errors(attention_check(ref)))
+        baselines = {}
+        try:
+            backend = pick_sdpa_backend(*dense_sets[0], scale)
+            baselines["sdpa_pregathered"] = bench.measure(sdpa_call(backend, scale), dense_sets,
+                                                          attention_check(ref, block), backend=backend)  # fmt: skip
+        except RuntimeError as exc:
+            baselines["sdpa_pregathered"] = {"error": str(exc)[:500]}
+        splits = triton_num_splits(bs, hkv, ctx, bench.props.multi_processor_count)
+        triton = functools.partial(triton_block_attention, block_size=block, sm_scale=scale, n_splits=splits)
+        baselines["triton_split_kv"] = bench.measure(triton, sets, attention_check(ref), splits=splits)
+        record = case_record(
+            dict(op="block_attention", bs=bs, ctx=ctx, **shape, dtype="bfloat16", causal_block=False, window=-1),
+            nbytes, ours_entry, baselines, bench.bw, bench.spec_bw,
+            flops=block_attention_flops(bs, ctx, block, hq, d), rotation_sets=n_sets,
+        )  # fmt: skip
+        bench.add(record)
+        del sets, dense_sets, ref
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def start(args) -> Bench:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    l2 = getattr(props, "L2_cache_size", 0) or L2_FALLBACK_BYTES
+    try:
+        provenance = run_info({})
+    except OSError as exc:  # no git on the GPU machine
+        provenance = {"error": repr(exc)}
+    result = dict(
+        benchmark="bench/bench_kernels.py", quick=args.quick, provenance=provenance,
+        # gpu_check.sh passes the commit: the GPU machine's copy of the tree may have no .git.
+        commit=os.environ.get("SGLANG_DFLASH_COMMIT") or provenance.get("git", {}).get("commit"),
+        device={**device_info(props), "nvidia_smi_start": nvidia_smi(props)},
+        method=dict(
+            timing="CUDA events per call, each call queued behind a sleep kernel (device time, host overhead "
+                   "hidden; host_bound flags calls whose host time exceeded the sleep); median, p10, p90",
+            l2=f"inputs rotated over >= 2 sets, >= {L2_MULTIPLE}x L2 ({l2} bytes) read between two uses of one set",
+            hbm="hbm_fraction: bytes the op must move once / our median time / the measured copy bandwidth; "
+                "hbm_fraction_spec: / the data-sheet bandwidth",
+            checks=f"before timing, each implementation vs sglang_dflash.ops.reference on the first set: attention "
+                   f"max per-(row, head) relative error <= {ATTN_TOL}; verify exact",
+            attention_slots="each request's context slots a random permutation of the cache (page size 1)",
+        ),
+        cases=[], goals=[], failures=[], complete=False,
+    )  # fmt: skip
+    sleep_ms = measure_sleep_ms()
+    bench = Bench(args.out or default_out(props.name, args.quick), props, l2, sleep_ms,
+                  measure_copy_bandwidth(sleep_ms), spec_bandwidth(props.name), result)  # fmt: skip
+    result["method"]["sleep_ms"] = sleep_ms
+    result["hbm"] = dict(measured_copy_bytes_per_s=bench.bw, spec_bytes_per_s=bench.spec_bw)
+    spec = f", data sheet {bench.spec_bw / 1e12:.2f} TB/s" if bench.spec_bw else ""
+    print(f"{props.name}: copy bandwidth {bench.bw / 1e12:.2f} TB/s measured{spec}; L2 {l2 >> 20} MiB", flush=True)
+    return bench
+
+
+def finish(bench: Bench) -> int:
+    """Goals, failures and the end clocks into the JSON; the goal table; exit status 1 on any failure."""
+    result = bench.result
+    result["goals"] = goal_rows(result["cases"])
+    result["failures"] = [f"{case_label(c)} {c['op']}: {f}" for c in result["cases"] for f in c["failures"]]
+    result["device"]["nvidia_smi_end"] = nvidia_smi(bench.props)
+    result["complete"] = True
+    bench.write()
+    print("\n" + goal_table(result["goals"]))
+    print(f"\n{len(result['failures'])} failures; wrote {bench.out}")
+    return 1 if result["failures"] else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench/results/bench_kernels.json")
-    parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument("--out", help="JSON result (default bench/results/bench_kernels_<device>[_quick].json)")
+    parser.add_argument("--quick", action="store_true", help="one case per goal (about a minute)")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-verify", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench_kernels.py needs a CUDA GPU")
+        sys.exit(NO_CUDA.format(torch=torch.__version__, cuda=torch.version.cuda))
+    if not has_cuda_kernels():
+        sys.exit("bench_kernels.py: sglang_dflash was built without its CUDA kernels (rebuild with nvcc on PATH, "
+                 "or SGLANG_DFLASH_CUDA=1)")  # fmt: skip
 
-    props = torch.cuda.get_device_properties(0)
-    result = dict(
-        device=props.name,
-        sm_count=props.multi_processor_count,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=git_commit(),
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
-        timing="median of CUDA-event times per call, each call queued behind a sleep kernel "
-        "(device time, host overhead hidden), inputs rotated to defeat L2 reuse",
-        complete=False,
-        cases=[],
-    )
-
-    def write():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
-
-    def log(entry):
-        """Print one line per case and rewrite the JSON, so a run cut short keeps its cases."""
-        result["cases"].append(entry)
-        write()
-        base = {k: round(v, 4) for k, v in entry["baselines_ms"].items()}
-        sp = entry["speedup_vs_best_baseline"]
-        shape = {k: entry[k] for k in ("mode", "bs", "ctx", "vocab") if k in entry}
-        print(
-            f"{entry['kernel']:16s} {shape} ours {entry['ours_ms']:.4f} ms  {base}  "
-            f"speedup {sp and round(sp, 2)}  hbm {entry['hbm_fraction']:.2f}"
-            + (f"  errors {list(entry['baseline_errors'])}" if "baseline_errors" in entry else ""),
-            flush=True,
-        )
-
-    hbm = measure_hbm_bandwidth()
-    result["hbm_copy_bandwidth_bytes_per_s"] = hbm
-    print(f"device-to-device copy: {hbm / 1e12:.2f} TB/s", flush=True)
-    attn_cases = [(bs, ctx) for bs in (1, 8, 32, 64) for ctx in (1024, 4096, 16384, 32768)]
-    verify_batches = [1, 32, 128]
-    if args.quick:
-        attn_cases = [(1, 4096), (8, 16384)]
-        verify_batches = [32]
+    bench = start(args)
     # Verify first: it is the shorter half, and the attention grid's largest cases come last.
     if not args.skip_verify:
-        bench_verify(verify_batches, 151936, hbm, log)
-        torch.cuda.empty_cache()
+        bench_verify(bench, verify_cases(args.quick))
     if not args.skip_attention:
-        bench_block_attention(attn_cases, hbm, log)
-    result["complete"] = True
-    write()
-    print(f"wrote {args.out}")
+        bench_attention(bench, attention_cases(args.quick))
+
+    return finish(bench)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
