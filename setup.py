@@ -4,8 +4,10 @@ SGLANG_DFLASH_CUDA=1 forces the CUDA sources in (the build fails if it cannot co
 SGLANG_DFLASH_CUDA=0 leaves them out; unset, they are built when torch is a CUDA build and nvcc is
 found. TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: sm_80, 86, 89, 90, 100 and 120
 where this nvcc supports them, with PTX for the newest, so a later GPU JIT-compiles it; a GPU with
-no image fails the start-up self-test and falls back, sglang_dflash/ops/self_test.py). MAX_JOBS
-caps the parallel compile jobs (default: all cores).
+no image fails the start-up self-test and falls back, sglang_dflash/ops/self_test.py).
+SGLANG_DFLASH_DEBUG=1 makes a failed device-side index check print and trap (ending the CUDA context,
+to stop in the faulting kernel under a debugger) instead of recording it for check_device_errors
+(csrc/cuda/device_errors.cu). MAX_JOBS caps the parallel compile jobs (default: all cores).
 """
 
 import glob
@@ -17,18 +19,19 @@ import subprocess
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+_YES, _NO = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
 def _cuda_wanted() -> bool:
     import torch
 
     flag = os.environ.get("SGLANG_DFLASH_CUDA", "").strip().lower()
-    if flag in ("0", "false", "off", "no"):
+    if flag in _NO:
         return False
     available = torch.version.cuda is not None and (
         shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME"))
     )
-    if flag in ("1", "true", "on", "yes"):
+    if flag in _YES:
         if not available:
             raise RuntimeError(
                 "SGLANG_DFLASH_CUDA=1 but the CUDA sources cannot be built: torch "
@@ -93,6 +96,8 @@ def extensions():
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     extra["cxx"].append("-DSGLANG_DFLASH_WITH_CUDA")
     extra["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-DSGLANG_DFLASH_WITH_CUDA"]
+    if os.environ.get("SGLANG_DFLASH_DEBUG", "").strip().lower() in _YES:
+        extra["nvcc"].append("-DSGLANG_DFLASH_DEVICE_TRAP")
     return [
         cpp_extension.CUDAExtension(
             "sglang_dflash._C",

@@ -3,9 +3,13 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "sglang_dflash/index_errors.h"
 
 namespace sglang_dflash {
 namespace {
@@ -73,6 +77,27 @@ std::pair<int64_t, int64_t> value_range(const at::Tensor& t) {
   });
 }
 
+struct Element {
+  int64_t index;  // flat, in row-major order
+  int64_t value;
+};
+
+// The first element of index tensor t outside [lo, hi), if any: one min / max scan when all are in
+// range, the search for the culprit (named in the error) only when one is not.
+std::optional<Element> first_outside(const at::Tensor& t, int64_t lo, int64_t hi) {
+  if (t.numel() == 0) return std::nullopt;
+  const auto [min, max] = value_range(t);
+  if (min >= lo && max < hi) return std::nullopt;
+  const auto flat = t.to(at::kLong).contiguous();
+  const int64_t* p = flat.const_data_ptr<int64_t>();
+  const int64_t* bad = std::find_if(p, p + flat.numel(), [&](int64_t v) { return v < lo || v >= hi; });
+  return Element{bad - p, *bad};
+}
+
+[[noreturn]] void fail_index(IndexCheck check, int64_t i, int64_t j, int64_t value, int64_t bound) {
+  TORCH_CHECK_VALUE(false, describe({static_cast<int32_t>(check), 0, i, j, value, bound}));
+}
+
 // candidates [bs, B] int64 with B >= 1 (the anchor column); returns (bs, B).
 std::pair<int64_t, int64_t> check_candidates(const char* op, const at::Tensor& candidates) {
   check_rank(op, "candidates", candidates, 2, "[bs, B]");
@@ -83,6 +108,21 @@ std::pair<int64_t, int64_t> check_candidates(const char* op, const at::Tensor& c
 }
 
 }  // namespace
+
+std::string describe(const IndexError& e) {
+  char text[256];
+  switch (static_cast<IndexCheck>(e.check)) {
+#define SGLD_DESCRIBE(name, op, format, ...)                                               \
+  case IndexCheck::name:                                                                    \
+    std::snprintf(text, sizeof text, "sglang_dflash." op ": " format, __VA_ARGS__);         \
+    break;
+    SGLD_INDEX_CHECKS(SGLD_DESCRIBE)
+#undef SGLD_DESCRIBE
+    default:
+      std::snprintf(text, sizeof text, "sglang_dflash: unknown index check %d", e.check);
+  }
+  return text;
+}
 
 BlockAttentionShape check_block_attention_args(const at::Tensor& q, const at::Tensor& k_block,
                                                const at::Tensor& v_block, const at::Tensor& k_cache,
@@ -148,7 +188,6 @@ BlockAttentionShape check_block_attention_args(const at::Tensor& q, const at::Te
 
 void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& req_to_token,
                                    const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens) {
-  const char* op = "block_attention";
   const auto pools = req_pool_indices.to(at::kLong).contiguous();
   const auto lens = ctx_lens.to(at::kLong).contiguous();
   const int64_t n_reqs = req_to_token.size(0), width = req_to_token.size(1);
@@ -156,17 +195,13 @@ void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& 
   const int64_t* pool = pools.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < pools.numel(); ++b) {
-    SGLD_CHECK(pool[b] >= 0 && pool[b] < n_reqs, op, "req_pool_indices[", b, "] = ", pool[b],
-               " is out of range for req_to_token with ", n_reqs, " rows");
-    SGLD_CHECK(len[b] >= 0 && len[b] <= width, op, "ctx_lens[", b, "] = ", len[b],
-               " is out of range [0, ", width, "] (req_to_token width)");
-    if (len[b] == 0) continue;
+    if (pool[b] < 0 || pool[b] >= n_reqs) fail_index(IndexCheck::kAttentionPool, b, 0, pool[b], n_reqs);
+    if (len[b] < 0 || len[b] > width) fail_index(IndexCheck::kAttentionCtxLen, b, 0, len[b], width);
     // Only the entries in use: SGLang's table is [max requests, context length], far larger than
     // what one step reads, and this runs once per attention layer.
-    const auto [lo, hi] = value_range(req_to_token[pool[b]].narrow(0, 0, len[b]));
-    SGLD_CHECK(lo >= 0 && hi < n_slots, op, "req_to_token[", pool[b], ", :", len[b],
-               "] holds slot ids in [", lo, ", ", hi, "], outside the KV cache's [0, ", n_slots,
-               ")");
+    if (const auto bad = first_outside(req_to_token[pool[b]].narrow(0, 0, len[b]), 0, n_slots)) {
+      fail_index(IndexCheck::kAttentionSlot, pool[b], bad->index, bad->value, n_slots);
+    }
   }
 }
 
@@ -209,11 +244,10 @@ VerifyShape check_verify_args(const at::Tensor& candidates, const at::Tensor& lo
 }
 
 void check_verify_values(const at::Tensor& candidates, int64_t vocab) {
-  if (candidates.numel() == 0) return;
-  const auto [lo, hi] = value_range(candidates);
-  SGLD_CHECK(lo >= 0 && hi < vocab, "verify_block",
-             "candidates hold token ids in [", lo, ", ", hi, "], outside the vocabulary [0, ",
-             vocab, ") of logits");
+  if (const auto bad = first_outside(candidates, 0, vocab)) {
+    const int64_t cols = candidates.size(1);
+    fail_index(IndexCheck::kVerifyCandidate, bad->index / cols, bad->index % cols, bad->value, vocab);
+  }
 }
 
 LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weight,
@@ -264,16 +298,11 @@ GumbelArgmaxShape check_gumbel_argmax_args(const at::Tensor& scores, const std::
 }
 
 void check_gumbel_argmax_values(const std::optional<at::Tensor>& ids, const at::Tensor& rows) {
-  const char* op = "gumbel_argmax";
-  if (ids.has_value() && ids->numel() > 0) {
-    const auto [lo, hi] = value_range(*ids);
-    SGLD_CHECK(lo >= 0 && hi < (int64_t{1} << 34), op, "ids hold values in [", lo, ", ", hi,
-               "], outside the token ids [0, 2^34) the noise is defined for");
+  if (const auto bad = ids.has_value() ? first_outside(*ids, 0, int64_t{1} << 34) : std::nullopt) {
+    fail_index(IndexCheck::kGumbelId, bad->index, 0, bad->value, 0);
   }
-  if (rows.numel() > 0) {
-    const auto [lo, hi] = value_range(rows);
-    SGLD_CHECK(lo >= 0 && hi < (int64_t{1} << 32), op, "rows hold values in [", lo, ", ", hi,
-               "], outside the verify rows [0, 2^32)");
+  if (const auto bad = first_outside(rows, 0, int64_t{1} << 32)) {
+    fail_index(IndexCheck::kGumbelRow, bad->index, 0, bad->value, 0);
   }
 }
 
@@ -362,13 +391,13 @@ void check_materialize_context_kv_indices(const at::Tensor& positions, const at:
                                           const ContextKvShape& shape) {
   const char* op = "materialize_context_kv";
   if (shape.rows == 0) return;
-  const auto [pos_lo, pos_hi] = value_range(positions);
-  SGLD_CHECK(pos_lo >= 0 && pos_hi < shape.max_positions, op, "positions hold values in [", pos_lo, ", ", pos_hi,
-             "], outside the rows [0, ", shape.max_positions, ") of cos_sin_cache");
+  if (const auto bad = first_outside(positions, 0, shape.max_positions)) {
+    fail_index(IndexCheck::kContextPosition, bad->index, 0, bad->value, shape.max_positions);
+  }
+  if (const auto bad = first_outside(out_loc, -1, shape.slots)) {
+    fail_index(IndexCheck::kContextOutLoc, bad->index, 0, bad->value, shape.slots);
+  }
   const auto loc = out_loc.to(at::kLong).contiguous();
-  const auto [loc_lo, loc_hi] = value_range(loc);
-  SGLD_CHECK(loc_lo >= -1 && loc_hi < shape.slots, op, "out_loc holds values in [", loc_lo, ", ", loc_hi,
-             "], outside [-1, ", shape.slots, ") (-1: row not written; else a slot of the KV pools)");
   // Two rows into one slot would leave it holding either row, or a mix on CUDA: rejected here,
   // where it is cheap (N is small and the values are on the host already).
   std::vector<std::pair<int64_t, int64_t>> written;  // (slot, row)

@@ -21,6 +21,7 @@ def ops():
     return torch.ops.sglang_dflash
 
 
+@functools.cache
 def has_cuda_kernels() -> bool:
     """Whether the loaded extension was built with its CUDA kernels."""
     import torch

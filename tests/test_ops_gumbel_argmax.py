@@ -91,10 +91,10 @@ def _ok():
     (dict(scores=torch.randn(5, 2).T), r"scores must have a contiguous last dimension"),
     (dict(ids=torch.arange(4)), r"ids.shape\[0\] must be n = scores.shape\[1\] = 5"),
     (dict(ids=torch.arange(5).int()), r"ids must be Long"),
-    (dict(ids=torch.tensor([0, 1, 2, 3, -4])), r"ids hold values in \[-4, 3\]"),
+    (dict(ids=torch.tensor([0, 1, 2, 3, -4])), r"ids\[4\] = -4 is outside the token ids \[0, 2\^34\)"),
     (dict(offsets=torch.zeros(3, dtype=torch.int64)), r"offsets.shape\[0\] must be R = scores.shape\[0\] = 2"),
     (dict(rows=torch.zeros(2, dtype=torch.int32)), r"rows must be Long"),
-    (dict(rows=torch.tensor([0, 1 << 32])), r"rows hold values in \[0, 4294967296\]"),
+    (dict(rows=torch.tensor([0, 1 << 32])), r"rows\[1\] = 4294967296 is outside the verify rows \[0, 2\^32\)"),
 ])
 def test_rejects(change, match):
     scores, ids, offsets, rows = _ok()

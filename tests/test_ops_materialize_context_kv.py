@@ -34,7 +34,7 @@ def _clone_view(t):
 
 def assert_rows_close(got, want, tol):
     """got / want [n, Hkv, D]: every (row, head)'s max of |got - want| / (tol * (1 + |want|)) <= 1."""
-    assert torch.isfinite(got).all(), "a written row holds its poison"
+    assert torch.isfinite(got).all(), "non-finite values (an element never written keeps its NaN poison)"
     err = ((got.float() - want.float()).abs() / (tol * (1 + want.float().abs()))).amax(-1)
     if err.numel():
         worst = divmod(int(err.argmax()), err.shape[1])
@@ -234,12 +234,12 @@ def _bad_cases():
     yield "positions_len", _set(a, "positions", pos[:2]), r"positions.shape\[0\] must be N = ctx.shape\[0\]"
     yield "positions_rank", _set(a, "positions", pos[None]), r"positions must be 1-D \[N\]"
     yield "positions_range", _set(a, "positions", pos.clone().fill_(cache.shape[0])), \
-        r"positions hold values in \[8, 8\], outside the rows \[0, 8\) of cos_sin_cache"
-    yield "positions_negative", _set(a, "positions", pos - 100), "positions hold values in"
+        r"positions\[0\] = 8 is outside the rows \[0, 8\) of cos_sin_cache"
+    yield "positions_negative", _set(a, "positions", pos - 100), r"positions\[0\] = -\d+ is outside the rows"
     yield "out_loc_dtype", _set(a, "out_loc", loc.double()), "out_loc must be int32 or int64"
     yield "out_loc_len", _set(a, "out_loc", loc[:1]), r"out_loc.shape\[0\] must be N"
     yield "out_loc_range", _set(a, "out_loc", torch.tensor([-1, 0, k0.shape[0]])), r"outside \[-1, 13\)"
-    yield "out_loc_below", _set(a, "out_loc", torch.tensor([-2, 0, 1])), r"out_loc holds values in \[-2, 1\]"
+    yield "out_loc_below", _set(a, "out_loc", torch.tensor([-2, 0, 1])), r"out_loc\[0\] = -2 is outside \[-1, 13\)"
     yield "out_loc_twice", _set(a, "out_loc", torch.tensor([slot, -1, slot])), \
         rf"out_loc\[0\] and out_loc\[2\] are both slot {slot}"
 

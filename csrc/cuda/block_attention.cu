@@ -64,6 +64,7 @@ struct AttnParams {
   void* out;        // [N, Hq, D] contiguous, q's dtype
   float* part_o;    // [splits, N, Hq, D] un-normalised partial outputs (splits > 1)
   float* part_ml;   // [splits, N, Hq, 2] (max, sum) of each partial softmax (splits > 1)
+  IndexError* errors;  // the device's error record (cuda_common.cuh)
 };
 
 // What one CTA computes: query rows [row0, row_end) of the B x group rows of (request b, kv head
@@ -84,12 +85,16 @@ __device__ __forceinline__ Work cta_work(const AttnParams& p) {
   w.h = static_cast<int>(bh % p.kv_heads);
   w.row0 = row_tile * ROWS;
   w.row_end = min(p.rows, w.row0 + ROWS);
-  w.ctx = read_index(p.ctx_lens, p.ctx64, w.b);
-  SGLD_DEVICE_CHECK(w.ctx >= 0 && w.ctx <= p.table_width,
-                    "block_attention: ctx_lens[b] outside [0, req_to_token.shape[1]]");
   w.pool = read_index(p.pools, p.pools64, w.b);
-  SGLD_DEVICE_CHECK(w.pool >= 0 && w.pool < p.table_rows,
-                    "block_attention: req_pool_indices[b] outside [0, req_to_token.shape[0])");
+  w.ctx = read_index(p.ctx_lens, p.ctx64, w.b);
+  // A request with its table row or context length out of range attends to its block only: its
+  // output is not valid, but nothing outside req_to_token is read.
+  if (!index_ok(w.pool >= 0 && w.pool < p.table_rows, p.errors, IndexCheck::kAttentionPool, w.b, 0,
+                w.pool, p.table_rows) ||
+      !index_ok(w.ctx >= 0 && w.ctx <= p.table_width, p.errors, IndexCheck::kAttentionCtxLen, w.b, 0,
+                w.ctx, p.table_width)) {
+    w.ctx = 0;
+  }
   // Keys any of this CTA's rows can see.
   const int64_t i_min = w.row0 / p.group, i_max = (w.row_end - 1) / p.group;
   int64_t lo = 0, hi = w.ctx + p.block_size;
@@ -111,14 +116,17 @@ __device__ __forceinline__ bool visible(const AttnParams& p, const Work& w, int6
          (p.window <= 0 || (pos >= k ? pos - k : k - pos) < p.window);
 }
 
-// Row pointers of key k's K and V vectors for kv head w.h.
+// Row pointers of key k's K and V vectors for kv head w.h; false (kp, vp untouched) when its slot
+// is outside the KV cache, and the caller loads zeros for it instead.
 template <typename T>
-__device__ __forceinline__ void key_rows(const AttnParams& p, const Work& w, int64_t k,
+__device__ __forceinline__ bool key_rows(const AttnParams& p, const Work& w, int64_t k,
                                          const T*& kp, const T*& vp) {
   if (k < w.ctx) {
     const int64_t slot = read_index(p.table, p.table64, w.pool * p.table_s0 + k);
-    SGLD_DEVICE_CHECK(slot >= 0 && slot < p.n_slots,
-                      "block_attention: req_to_token holds a slot outside the KV cache");
+    if (!index_ok(slot >= 0 && slot < p.n_slots, p.errors, IndexCheck::kAttentionSlot, w.pool, k,
+                  slot, p.n_slots)) {
+      return false;
+    }
     kp = static_cast<const T*>(p.k_cache) + slot * p.kc_s0 + w.h * p.kc_s1;
     vp = static_cast<const T*>(p.v_cache) + slot * p.vc_s0 + w.h * p.vc_s1;
   } else {
@@ -126,6 +134,7 @@ __device__ __forceinline__ void key_rows(const AttnParams& p, const Work& w, int
     kp = static_cast<const T*>(p.k_block) + r * p.kb_s0 + w.h * p.kb_s1;
     vp = static_cast<const T*>(p.v_block) + r * p.vb_s0 + w.h * p.vb_s1;
   }
+  return true;
 }
 
 // Output element offset of CTA row `row` (q row b*B + row/group, q head h*group + row%group).
@@ -192,10 +201,9 @@ __global__ void __launch_bounds__(kThreads, 2) block_attention_mma_kernel(const 
     for (int idx = tid; idx < TILE * CH; idx += kThreads) {
       const int j = idx / CH, c = idx % CH;
       const int64_t k = k0 + j;
-      const bool ok = k < w.end;
       const T* kp = static_cast<const T*>(p.k_block);
       const T* vp = static_cast<const T*>(p.v_block);
-      if (ok) key_rows<T>(p, w, k, kp, vp);
+      const bool ok = k < w.end && key_rows<T>(p, w, k, kp, vp);  // else zero-filled, not read
       cp_async16(k_s + (buf * TILE + j) * LD + c * 8, kp + (ok ? c * 8 : 0), ok);
       cp_async16(v_s + (buf * TILE + j) * LD + c * 8, vp + (ok ? c * 8 : 0), ok);
     }
@@ -392,7 +400,7 @@ __global__ void __launch_bounds__(kThreads) block_attention_simt_kernel(const At
   for (int64_t k0 = w.begin; k0 < w.end; k0 += TILE) {
     __syncthreads();  // the previous tile is consumed (first pass: q_s is written)
     if (tid < TILE) {
-      const T* kp = nullptr;
+      const T* kp = nullptr;  // null: zeros (past the range, or a slot outside the cache)
       const T* vp = nullptr;
       if (k0 + tid < w.end) key_rows<T>(p, w, k0 + tid, kp, vp);
       kp_s[tid] = kp;
@@ -559,7 +567,8 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
   const c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({q.size(0), shape.q_heads, shape.head_dim}, q.options());
   if (q.size(0) == 0) return out;
-  // Index ranges cannot be checked here without a device sync: the kernels trap on them instead.
+  // Index values cannot be checked here without a device sync: the kernels record the bad ones in
+  // the device's error record (check_device_errors raises them).
   const auto table = req_to_token.stride(1) == 1 ? req_to_token : req_to_token.contiguous();
   const auto pools = req_pool_indices.contiguous();
   const auto lens = ctx_lens.contiguous();
@@ -610,6 +619,7 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
   p.window = window < 0 ? -1 : static_cast<int>(std::min<int64_t>(window, (int64_t{1} << 30)));
   p.sm_scale = static_cast<float>(sm_scale);
   p.out = out.data_ptr();
+  p.errors = device_error_record(q.get_device());
 
   // Flash-decoding split: from shapes only. Fill one wave of ~2 CTAs per SM without spilling
   // into a second (floor), and never split the longest possible key range (req_to_token's width

@@ -10,18 +10,54 @@
 #include <set>
 #include <utility>
 
+#include "sglang_dflash/index_errors.h"
+
 namespace sglang_dflash::cuda {
 
-// A failed device-side check stops the kernel with a trap (the launch then fails with an
-// unspecified launch failure, like a device assert), so an out-of-range index never turns into
-// a read of wild memory. Independent of NDEBUG, unlike assert().
-#define SGLD_DEVICE_CHECK(cond, msg)                                         \
-  do {                                                                      \
-    if (__builtin_expect(!(cond), 0)) {                                     \
-      printf("sglang_dflash device check failed: %s (%s:%d)\n", msg, __FILE__, __LINE__); \
-      __trap();                                                             \
-    }                                                                       \
-  } while (0)
+// The device's error record (device_errors.cu), where a kernel's failed index check goes (the first
+// failure since the last check_device_errors wins). Allocated on the device's first call, so, like
+// allow_dynamic_smem, after a warm-up call it is never allocated inside a CUDA-graph capture.
+IndexError* device_error_record(int device);
+
+#if defined(SGLANG_DFLASH_DEVICE_TRAP)
+// Debug builds: the failing thread that recorded the error prints its text.
+__device__ inline void print_index_error(const IndexError& e) {
+  switch (static_cast<IndexCheck>(e.check)) {
+#define SGLD_PRINT_INDEX_ERROR(name, op, format, ...)                                           \
+  case IndexCheck::name:                                                                         \
+    printf("sglang_dflash device check failed: sglang_dflash." op ": " format "\n", __VA_ARGS__); \
+    break;
+    SGLD_INDEX_CHECKS(SGLD_PRINT_INDEX_ERROR)
+#undef SGLD_PRINT_INDEX_ERROR
+    default:
+      break;
+  }
+}
+#endif
+
+// A kernel's check of index `value` (element [i] or [i, j] of its tensor, `bound` as the message
+// names it). Returns `ok`. On failure it records the error in `record` and the caller skips what
+// the index would address, so no memory outside the inputs is touched and the CUDA context survives
+// (a trap would end it, and with it the server); the host raises the error at its next
+// check_device_errors. Debug builds (SGLANG_DFLASH_DEBUG=1 defines SGLANG_DFLASH_DEVICE_TRAP) print
+// it and trap instead, stopping in the faulting kernel for compute-sanitizer / cuda-gdb.
+__device__ __forceinline__ bool index_ok(bool ok, IndexError* record, IndexCheck check, int64_t i,
+                                         int64_t j, int64_t value, int64_t bound) {
+  if (__builtin_expect(ok, 1)) return true;
+  if (atomicCAS(&record->check, 0, static_cast<int32_t>(check)) == 0) {
+    record->i = i;
+    record->j = j;
+    record->value = value;
+    record->bound = bound;
+#if defined(SGLANG_DFLASH_DEVICE_TRAP)
+    print_index_error(*record);
+#endif
+  }
+#if defined(SGLANG_DFLASH_DEVICE_TRAP)
+  __trap();
+#endif
+  return false;
+}
 
 // Index tensors may be int32 or int64; the kernels take them as untyped pointers plus a flag,
 // so one kernel instantiation serves both (the branch is uniform across the grid).

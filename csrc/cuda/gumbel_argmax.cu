@@ -33,18 +33,19 @@ __device__ __forceinline__ uint32_t noise_bits(uint64_t seed, uint64_t offset, u
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     gumbel_argmax_kernel(const scalar_t* scores, int64_t stride, int n, const int64_t* ids, uint64_t seed,
-                         const int64_t* offsets, const int64_t* rows, int64_t* out) {
+                         const int64_t* offsets, const int64_t* rows, int64_t* out, IndexError* errors) {
   __shared__ Best slots[kWarps];
   const int64_t r = blockIdx.x;
   const scalar_t* x = scores + r * stride;
   const uint64_t offset = static_cast<uint64_t>(offsets[r]);
+  // Out-of-range rows / ids address no memory: recorded (raised by check_device_errors), they draw
+  // the noise of the row's low 32 bits / of id 0 (a negative id would index past the Philox lanes).
   const int64_t row64 = rows[r];
-  SGLD_DEVICE_CHECK(row64 >= 0 && row64 < (int64_t{1} << 32), "gumbel_argmax: rows out of [0, 2^32)");
+  index_ok(row64 >= 0 && row64 < (int64_t{1} << 32), errors, IndexCheck::kGumbelRow, r, 0, row64, 0);
   const uint32_t row = static_cast<uint32_t>(row64);
   auto id_of = [&](int j) -> int64_t {
     const int64_t id = ids == nullptr ? j : ids[j];
-    SGLD_DEVICE_CHECK(id >= 0 && id < (int64_t{1} << 34), "gumbel_argmax: ids out of [0, 2^34)");
-    return id;
+    return index_ok(id >= 0 && id < (int64_t{1} << 34), errors, IndexCheck::kGumbelId, j, 0, id, 0) ? id : 0;
   };
 
   Best top{-INFINITY, INT_MAX};
@@ -80,7 +81,8 @@ at::Tensor gumbel_argmax(const at::Tensor& scores, const std::optional<at::Tenso
     gumbel_argmax_kernel<scalar_t><<<shape.rows, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         scores.const_data_ptr<scalar_t>(), scores.stride(0), static_cast<int>(shape.cols),
         ids.defined() ? ids.const_data_ptr<int64_t>() : nullptr, static_cast<uint64_t>(seed),
-        offsets.const_data_ptr<int64_t>(), rows.const_data_ptr<int64_t>(), out.mutable_data_ptr<int64_t>());
+        offsets.const_data_ptr<int64_t>(), rows.const_data_ptr<int64_t>(), out.mutable_data_ptr<int64_t>(),
+        device_error_record(scores.get_device()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;

@@ -3,7 +3,8 @@
 // doing the k RMSNorm, the RoPE, v * v_scale and the conversion into the pools. A warp owns one
 // (row, layer, kv head): lanes stride over D (coalesced), the sum of squares is a shuffle
 // reduction, and the normed k sits in shared memory so each lane can read its RoPE partner.
-// Out-of-range positions / out_loc trap on the device: checking them on the host needs a sync.
+// Out-of-range positions / out_loc are recorded in the device's error record (checking them on the
+// host needs a sync; check_device_errors raises them) and their rows are not written.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -45,6 +46,7 @@ struct Params {
   const void* out_loc;
   bool positions64, out_loc64, is_neox;
   float eps, v_scale;
+  IndexError* errors;  // the device's error record (cuda_common.cuh)
 };
 
 // The cache is read in whatever float dtype it has; the branch is uniform across the grid.
@@ -67,9 +69,13 @@ __global__ void __launch_bounds__(kThreads) context_kv_kernel(const Params p) {
   const int64_t r = item / (static_cast<int64_t>(p.kv_heads) * p.layers);
   const int64_t slot = read_index(p.out_loc, p.out_loc64, r);
   const int64_t pos = read_index(p.positions, p.positions64, r);
-  SGLD_DEVICE_CHECK(slot >= -1 && slot < p.slots, "materialize_context_kv: out_loc outside [-1, S)");
-  SGLD_DEVICE_CHECK(pos >= 0 && pos < p.max_positions, "materialize_context_kv: positions outside [0, P)");
-  if (slot < 0) return;
+  // Positions before out_loc, as the host checks them. A bad row is not written (uniform per warp).
+  if (!index_ok(pos >= 0 && pos < p.max_positions, p.errors, IndexCheck::kContextPosition, r, 0, pos,
+                p.max_positions) ||
+      !index_ok(slot >= -1 && slot < p.slots, p.errors, IndexCheck::kContextOutLoc, r, 0, slot, p.slots) ||
+      slot < 0) {
+    return;
+  }
 
   const LayerArgs& ly = p.layer[l];
   const int D = p.head_dim;
@@ -145,6 +151,7 @@ void materialize_context_kv(const at::Tensor& ctx, at::TensorList kv_weights,
   p.is_neox = is_neox;
   p.eps = static_cast<float>(eps);
   p.v_scale = static_cast<float>(v_scale);
+  p.errors = device_error_record(ctx.get_device());
   const size_t smem = sizeof(float) * kWarps * shape.head_dim;
 
   std::vector<at::Tensor> keep_alive;  // projections and contiguous norm weights until the launch

@@ -446,17 +446,18 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
   if (threadIdx.x == 0) p.target[row] = best.index;
 }
 
-// Accept scan, one thread per request. `vocab` > 0 checks the candidates against it.
+// Accept scan, one thread per request. `vocab` > 0 checks the candidates against it: no memory is
+// addressed by a candidate, so one out of range is recorded (raised by check_device_errors) and
+// simply never matches.
 __global__ void accept_kernel(const int64_t* candidates, const void* target, bool target64,
                               int64_t vocab, int64_t batch, int block_size, int32_t* accept_len,
-                              int64_t* bonus, int64_t* out_tokens) {
+                              int64_t* bonus, int64_t* out_tokens, IndexError* errors) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= batch) return;
   const int64_t* cand = candidates + b * block_size;
   if (vocab > 0) {
     for (int i = 0; i < block_size; ++i) {
-      SGLD_DEVICE_CHECK(cand[i] >= 0 && cand[i] < vocab,
-                        "verify_block: candidates hold a token id outside the vocabulary");
+      index_ok(cand[i] >= 0 && cand[i] < vocab, errors, IndexCheck::kVerifyCandidate, b, i, cand[i], vocab);
     }
   }
   bonus[b] = accept_block(
@@ -480,7 +481,8 @@ void launch_accept(const at::Tensor& candidates, const at::Tensor& target, int64
   accept_kernel<<<blocks, kAcceptThreads, 0, stream>>>(
       candidates.data_ptr<int64_t>(), target.data_ptr(), target.scalar_type() == at::kLong, vocab,
       batch, static_cast<int>(candidates.size(1)), accept_len.data_ptr<int32_t>(),
-      bonus.data_ptr<int64_t>(), out_tokens.data_ptr<int64_t>());
+      bonus.data_ptr<int64_t>(), out_tokens.data_ptr<int64_t>(),
+      device_error_record(candidates.get_device()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -21,7 +21,7 @@ import torch
 from sglang_dflash.engine.block_size import BlockSizeController
 from sglang_dflash.engine.drafters import DraftSampling
 from sglang_dflash.engine.target import HFTarget
-from sglang_dflash.ops import verify_block
+from sglang_dflash.ops import check_device_errors, verify_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +216,7 @@ class Generator:
             logits, step_taps = target.verify(candidates, positions)
             accept_len, _, out_tokens = sample(candidates, logits, active, offsets)
             accept_len, out_tokens = accept_len.tolist(), out_tokens.tolist()
+            check_device_errors(dev)  # a bad index a CUDA kernel met this step (the sync is done)
 
             still, keep_rows = [], []
             for b, r in enumerate(active):

@@ -1,7 +1,10 @@
 """The kernels' public API. Semantics: DESIGN.md section 3; executable spec: `reference.py`.
 
 Every op validates its arguments in the extension (shapes, dtypes, devices, and on CPU the index
-ranges) and raises one ValueError naming the bad argument.
+values) and raises one ValueError naming the bad argument. On CUDA the index values are checked by
+the kernels themselves (on the host that would cost a device sync per call): a kernel that finds one
+out of range records it, skips what it would address and goes on, and `check_device_errors()` raises
+it, with the text the CPU raises, as a RuntimeError (call it where the caller synchronizes anyway).
 
 An op whose kernel failed the start-up self-test on a device (`self_test.py`) runs the
 pure-PyTorch reference there instead: slower, same result.
@@ -13,12 +16,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from sglang_dflash._extension import has_cuda_kernels
 from sglang_dflash._extension import ops as _ops
 from sglang_dflash.ops import reference
 
 __all__ = [
     "block_attention",
     "canonical_device",
+    "check_device_errors",
     "gumbel_argmax",
     "materialize_context_kv",
     "runs_ours",
@@ -53,6 +58,21 @@ def _impl(op: str, device: torch.device) -> Callable:
     """The kernel of `op`, or its reference where its self-test failed on `device` (tensors report
     canonical devices; one truth test when nothing failed)."""
     return getattr(reference if _REFERENCE_ON and (op, device) in _REFERENCE_ON else _ops(), op)
+
+
+def check_device_errors(device: torch.device | str | None = None) -> None:
+    """Raises RuntimeError naming the op, the index tensor element and its value, when a CUDA kernel
+    of ours has found an index out of range on `device` (None: on any device) since the last check,
+    and clears the record; that call's outputs are not valid. Reads each device's record on its
+    current stream, so it sees the kernels queued there: one small copy and a sync of that stream, so
+    call it where the caller waits for the stream anyway (reading a step's results), not inside a
+    CUDA-graph capture. No-op for CPU devices (the CPU kernels raise at the call) and builds without
+    CUDA kernels."""
+    if device is not None and torch.device(device).type != "cuda":
+        return
+    if not has_cuda_kernels():
+        return
+    _ops().check_device_errors(-1 if device is None else canonical_device(device).index)
 
 
 def block_attention(
@@ -183,8 +203,8 @@ def materialize_context_kv(
     them), written in place; nothing else in them changes. v_scale multiplies v (SGLang's
     set_kv_buffer divides by its v_scale: pass 1 / that).
 
-    Bad arguments raise a ValueError naming them; on CUDA, out-of-range positions / out_loc stop the
-    kernel with a device-side trap instead (no host sync).
+    Bad arguments raise a ValueError naming them; on CUDA, out-of-range positions / out_loc are
+    raised by `check_device_errors()` instead (no host sync here), and their rows are not written.
     """
     _impl("materialize_context_kv", ctx.device)(
         ctx, list(kv_weights), None if kv_biases is None else list(kv_biases), list(k_norm_weights), float(eps),

@@ -69,8 +69,10 @@ def philox4x32_10(counter: list[torch.Tensor], key: tuple[int, int]) -> list[tor
     return [c0, c1, c2, c3]
 
 
-def gumbel_noise(seed: int, offset: int, row: int, vocab_size: int, device=None) -> torch.Tensor:
-    """Gumbel(0, 1) noise for one verify row: fp32 [vocab_size].
+def gumbel_noise(seed: int, offset: int, row: int, vocab_size: int, device=None,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Gumbel(0, 1) noise for one verify row: fp32 [vocab_size] (float64: before that rounding, to
+    tell a near-tie of two noisy scores from a wrong pick).
 
     Vocab id v reads lane v % 4 of the Philox block at counter (v // 4, 0, key lo, key hi) under
     key seed, with key = offset + row (mod 2^64): row r at offset o draws the noise of row 0 at
@@ -85,7 +87,7 @@ def gumbel_noise(seed: int, offset: int, row: int, vocab_size: int, device=None)
     lanes = philox4x32_10([group, full, full + (key & _U32), full + (key >> 32)], (seed & _U32, seed >> 32))
     bits = torch.stack(lanes, dim=1).reshape(-1)[:vocab_size]
     u = ((bits >> 9) * 2 + 1).double() / 2.0**24
-    return (-torch.log(-torch.log(u))).float()
+    return (-torch.log(-torch.log(u))).to(dtype)
 
 
 def sampling_mask(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
