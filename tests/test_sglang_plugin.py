@@ -786,3 +786,44 @@ def test_prompts_that_would_crash_the_scheduler_are_refused_in_the_tokenizer(sgl
     request_checks._before_validate(manager, text, [0, 99])
     request_checks._before_validate(manager, text, None)  # input_embeds
     request_checks._before_validate(manager, types.SimpleNamespace(image_data=["x"]), [500])
+
+
+class _RecordingReq:
+    """Stands in for SGLang's Req, recording set_finish_with_abort (the real one needs a batch)."""
+
+    def __init__(self):
+        self.aborted = None
+
+    def set_finish_with_abort(self, error_msg, status_code, err_type):
+        self.aborted = (error_msg, int(status_code), err_type)
+
+
+def test_a_device_index_error_aborts_the_steps_requests_and_the_server_serves_on(monkeypatch):
+    """A CUDA kernel's recorded out-of-range index (read by ops.check_device_errors) ends the step's
+    requests with HTTP 500 naming it, instead of killing the scheduler. No GPU here: the device is
+    named "cuda" on a bare worker and the record read is replaced by one that raises as the real
+    one does (the real read is tested in tests/test_ops_index_errors.py on CPU and CUDA)."""
+    from sglang_dflash import ops
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+
+    error = "sglang_dflash.verify_block: candidates[1, 3] = 99999 is outside the vocabulary [0, 64)"
+    calls = []
+
+    def check(device):
+        calls.append(device)
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(ops, "check_device_errors", check)
+    w = _bare_worker(DFlashKernelWorker, 8)
+    reqs = [_RecordingReq(), _RecordingReq()]
+    w._dflash_device = torch.device("cuda", 0)
+    w._abort_on_device_errors(reqs)
+    assert calls == [torch.device("cuda", 0)]
+    for req in reqs:
+        message, status, _ = req.aborted
+        assert status == 500 and error in message and "not valid" in message
+    # On CPU our kernels raise at the call: nothing to read, no sync, no abort.
+    w._dflash_device = torch.device("cpu")
+    cpu_reqs = [_RecordingReq()]
+    w._abort_on_device_errors(cpu_reqs)
+    assert len(calls) == 1 and cpu_reqs[0].aborted is None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from http import HTTPStatus
 
 import torch
 from sglang.srt import runtime_context as _runtime_context
@@ -285,8 +286,30 @@ class DFlashKernelWorker(DFlashWorkerV2):
             or batch.forward_mode.is_idle()
             or _sgl_worker.SIMULATE_ACC_LEN > 0
         ):
-            return run(batch, *args, **kwargs)
-        return self._adaptive.run_step(batch.reqs, lambda: run(batch, *args, **kwargs))
+            result = run(batch, *args, **kwargs)
+        else:
+            result = self._adaptive.run_step(batch.reqs, lambda: run(batch, *args, **kwargs))
+        self._abort_on_device_errors(batch.reqs)
+        return result
+
+    def _abort_on_device_errors(self, reqs: list) -> None:
+        """On CUDA our kernels do not trap on an out-of-range index (a trap would end the server's
+        CUDA context): they skip it and record it, and this step's outputs are then not valid. Here
+        the record is read; if set, every request of the step ends with an error response (HTTP 500)
+        naming the op and the index instead of an answer built on those outputs, and the server
+        serves on. The read waits for the step's kernels, a sync SGLang's overlap scheduling would
+        otherwise avoid: the price of never answering from a kernel that saw a bad index, paid on
+        GPUs only, until our CUDA kernels have been proven there."""
+        if self._dflash_device.type != "cuda" or not self._dflash_ops:
+            return
+        from sglang_dflash import ops
+
+        try:
+            ops.check_device_errors(self._dflash_device)
+        except RuntimeError as e:
+            message = f"sglang-dflash: this decoding step's outputs are not valid: {e}"
+            for req in reqs:
+                req.set_finish_with_abort(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
 
     def _append_target_hidden_to_draft_kv_by_loc(self, *, target_hidden, cache_loc, positions, cache_loc_2d=None,
                                                  commit_lens=None, extend_lens=None):
