@@ -12,7 +12,7 @@
 #                (scripts/check_device_build.py --installed-torch) for its own first errors
 #   smoke        bench/gpu_smoke.py: each op in its own process, CUDA_LAUNCH_BLOCKING=1, max error vs
 #                the pure-PyTorch reference on the CPU
-#   tests        tests/test_cuda_ops.py, one pytest process per op family side by side, a time limit
+#   tests        the cuda-marked tests (CUDA_TEST_FILES), one pytest process per op family side by side, a time limit
 #                per test (pytest-timeout) and a JUnit XML each
 #   memcheck     compute-sanitizer memcheck over bench/sanitize_kernels.py, our kernels only
 #   bench-quick  bench/bench_kernels.py --quick
@@ -90,6 +90,9 @@ stage_smoke() {
   "$PY" bench/gpu_smoke.py --out "$OUT_DIR/smoke.json" --timeout 50
 }
 
+# Every file with `cuda`-marked cases (the exactness and index-error files also run on CPU in CI).
+CUDA_TEST_FILES=(tests/test_cuda_ops.py tests/test_ops_exactness.py tests/test_ops_index_errors.py)
+
 stage_tests() {
   local timeout_opt=()
   if "$PY" -c "import pytest_timeout" 2>/dev/null; then
@@ -104,7 +107,7 @@ stage_tests() {
   local threads=$(($(nproc) / ${#names[@]})) pids=() failed=() i rc
   mkdir -p "$LOGS/junit"
   for i in "${!names[@]}"; do
-    OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) "$PY" -m pytest -v -rs -m cuda tests/test_cuda_ops.py \
+    OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) "$PY" -m pytest -v -rs -m cuda "${CUDA_TEST_FILES[@]}" \
       -k "${exprs[i]}" -p no:cacheprovider --junitxml="$LOGS/junit/${names[i]}.xml" "${timeout_opt[@]}" \
       >"$LOGS/tests-${names[i]}.log" 2>&1 &
     pids+=($!)
