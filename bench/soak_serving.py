@@ -253,8 +253,8 @@ def read_stream(response, spec: Spec) -> dict:
 # -- checking one answer ---------------------------------------------------------------------
 
 
-def check(spec: Spec, result: dict, eos_ids: set[int]) -> list[str]:
-    """What is wrong with `result` as the answer to `spec` (empty: nothing)."""
+def check(spec: Spec, result: dict, eos_ids: set[int], context_length: int) -> list[str]:
+    """What is wrong with `result` as the answer to `spec` (empty: nothing), by SGLang's rules."""
     if spec.kind.startswith("malformed/"):
         ok = result["status"] is not None and 400 <= result["status"] < 500
         return [] if ok else [f"malformed request answered {result['status']} (want 4xx): {result.get('error')}"]
@@ -268,26 +268,34 @@ def check(spec: Spec, result: dict, eos_ids: set[int]) -> list[str]:
     if len(answers) != params.get("n", 1):
         problems.append(f"{len(answers)} answers for n={params.get('n', 1)}")
     for answer in answers:
-        problems += check_answer(spec, answer, params, eos_ids)
+        problems += check_answer(spec, answer, params, eos_ids, context_length)
     return problems
 
 
-def check_answer(spec: Spec, answer: dict, params: dict, eos_ids: set[int]) -> list[str]:
+def token_budget(max_new_tokens: int, prompt_tokens: int, context_length: int) -> int:
+    """The new tokens SGLang allows a request: its max_new_tokens, capped so that prompt and answer
+    stay below the context length minus one (Scheduler.init_req_max_new_tokens)."""
+    return max(0, min(max_new_tokens, context_length - 2 - prompt_tokens))
+
+
+def check_answer(spec: Spec, answer: dict, params: dict, eos_ids: set[int], context_length: int) -> list[str]:
     meta, ids = answer["meta_info"], answer["output_ids"]
     finish = meta.get("finish_reason") or {}
     problems = []
     if meta["completion_tokens"] != len(ids):
         problems.append(f"completion_tokens {meta['completion_tokens']} but {len(ids)} output ids")
-    if len(ids) > params["max_new_tokens"]:
-        problems.append(f"{len(ids)} tokens for max_new_tokens {params['max_new_tokens']}")
+    budget = token_budget(params["max_new_tokens"], meta["prompt_tokens"], context_length)
+    if len(ids) > budget:
+        problems.append(f"{len(ids)} tokens for a budget of {budget}")
     kind = finish.get("type")
     if spec.kind == "abort":
         return problems + ([] if kind in ("abort", "length") else [f"aborted request finished {finish}"])
-    if kind == "length" and len(ids) != params["max_new_tokens"]:
-        problems.append(f"finish length after {len(ids)} of {params['max_new_tokens']} tokens")
+    if kind == "length" and len(ids) != budget:
+        problems.append(f"finish length after {len(ids)} of {budget} tokens")
     if kind not in ("length", "stop"):
         problems.append(f"finish reason {finish}")
-    stop_ids = set(params.get("stop_token_ids", ())) | (set() if params.get("ignore_eos") else eos_ids)
+    # ignore_eos turns off stop token ids too (Req._check_token_based_finish).
+    stop_ids = set() if params.get("ignore_eos") else set(params.get("stop_token_ids", ())) | eos_ids
     if any(t in stop_ids for t in ids[:-1]):
         problems.append("tokens after a stop token")
     for s in params.get("stop", ()):
@@ -403,7 +411,7 @@ def add_fp32_margins(divergences: list[dict], target: Path, tokenizer) -> None:
         d.update(logit_margin(logits, d["plain"][0], d["dflash"][0]))
 
 
-def summarize(specs: list[Spec], results: list, eos_ids: set[int]) -> dict:
+def summarize(specs: list[Spec], results: list, eos_ids: set[int], context_length: int) -> dict:
     by_kind, problems, lost = {}, [], 0
     for spec, result in zip(specs, results, strict=True):
         kind = spec.kind.split("/")[0]
@@ -412,7 +420,7 @@ def summarize(specs: list[Spec], results: list, eos_ids: set[int]) -> dict:
             counts["not_sent"] += 1
             continue
         counts["sent"] += 1
-        found = check(spec, result, eos_ids)
+        found = check(spec, result, eos_ids, context_length)
         if found:
             problems.append({"request": spec.id, "kind": spec.kind, "problems": found})
             lost += spec.kind in ("generate", "abort") and result.get("answer") is None
@@ -494,7 +502,12 @@ def main() -> None:
     rss = {"start_mb": rss_samples[0] / 2**20, "end_mb": rss_samples[-1] / 2**20,
            "samples_mb": [round(b / 2**20, 1) for b in rss_samples],
            "growth_mb": (rss_samples[-1] - rss_samples[1 if len(rss_samples) > 2 else 0]) / 2**20}
-    summary = summarize(specs, results, eos_ids)
+    summary = summarize(specs, results, eos_ids, args.context_length)
+    with open(tmp / "answers.jsonl", "w") as f:  # every request and what came back, to look into a problem
+        for spec, result in zip(specs, results, strict=True):
+            body = spec.body.decode(errors="replace") if isinstance(spec.body, bytes) else spec.body
+            f.write(json.dumps({"id": spec.id, "kind": spec.kind, "stream": spec.stream, "body": body,
+                                "result": result}) + "\n")
     parity = None if args.no_parity else greedy_parity(args, target, specs, results, tmp, extra, tokenizer)
     checks = verdicts(summary, idle, rss, alive_after, shutdown, parity, args)
 

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import soak_serving as soak  # noqa: E402
 
 EOS = 2
+CONTEXT = 2048
 
 
 def _spec(**params) -> soak.Spec:
@@ -20,33 +21,50 @@ def _spec(**params) -> soak.Spec:
     return soak.Spec("r", "generate", body, greedy=True)
 
 
-def _answer(ids, text="a b", finish=None, **meta):
+def _answer(ids, text="a b", finish=None, prompt_tokens=5, **meta):
     finish = finish or {"type": "length", "length": len(ids)}
-    return {"status": 200, "answer": {"text": text, "output_ids": ids,
-                                      "meta_info": {"completion_tokens": len(ids), "finish_reason": finish, **meta}}}
+    return {"status": 200, "answer": {"text": text, "output_ids": ids, "meta_info": {
+        "completion_tokens": len(ids), "prompt_tokens": prompt_tokens, "finish_reason": finish, **meta}}}
+
+
+def _check(spec, result, eos_ids):
+    return soak.check(spec, result, eos_ids, CONTEXT)
 
 
 def test_a_well_formed_answer_passes():
-    assert soak.check(_spec(), _answer([5, 6, 7, 8, 9, 10, 11, 12]), {EOS}) == []
-    assert soak.check(_spec(), _answer([5, 6, EOS], finish={"type": "stop", "matched": EOS}), {EOS}) == []
+    assert _check(_spec(), _answer([5, 6, 7, 8, 9, 10, 11, 12]), {EOS}) == []
+    assert _check(_spec(), _answer([5, 6, EOS], finish={"type": "stop", "matched": EOS}), {EOS}) == []
 
 
 @pytest.mark.parametrize("ids, finish, params, text, want", [
     ([5, EOS, 7], {"type": "stop", "matched": 7}, {}, "a", "tokens after a stop token"),
     ([5, 9, 7], {"type": "stop", "matched": 7}, {"stop_token_ids": [9]}, "a", "tokens after a stop token"),
     ([5, 6], {"type": "length", "length": 2}, {}, "a", "finish length after 2 of 8"),
-    (list(range(3, 12)), None, {}, "a", "9 tokens for max_new_tokens 8"),
+    (list(range(3, 12)), None, {}, "a", "9 tokens for a budget of 8"),
     ([5, 6], {"type": "stop", "matched": "."}, {"stop": ["."]}, "a.", "stop string '.' left"),
     ([5], {"type": "abort"}, {}, "a", "finish reason"),
 ])
 def test_each_defect_of_an_answer_is_named(ids, finish, params, text, want):
-    problems = soak.check(_spec(**params), _answer(ids, text=text, finish=finish), {EOS})
+    problems = _check(_spec(**params), _answer(ids, text=text, finish=finish), {EOS})
     assert any(want in p for p in problems), problems
 
 
-def test_ignore_eos_allows_eos_inside_the_answer():
+def test_ignore_eos_allows_eos_and_stop_ids_inside_the_answer():
+    """As SGLang's Req._check_token_based_finish: ignore_eos turns off stop_token_ids too."""
     ids = [5, EOS, 7, 8, 9, 10, 11, 12]
-    assert soak.check(_spec(ignore_eos=True), _answer(ids), {EOS}) == []
+    assert _check(_spec(ignore_eos=True), _answer(ids), {EOS}) == []
+    assert _check(_spec(ignore_eos=True, stop_token_ids=[7]), _answer(ids), {EOS}) == []
+
+
+def test_the_token_budget_is_capped_by_the_context_length_as_sglang_does():
+    """SGLang caps max_new_tokens at context_length - 2 - prompt tokens: a request right at the limit
+    ends one token short of its max_new_tokens, with finish length, on plain servers too."""
+    assert soak.token_budget(8, 5, CONTEXT) == 8
+    assert soak.token_budget(8, CONTEXT - 9, CONTEXT) == 7
+    ids = list(range(3, 10))
+    at_limit = _answer(ids, finish={"type": "length", "length": 7}, prompt_tokens=CONTEXT - 9)
+    assert _check(_spec(), at_limit, {EOS}) == []
+    assert any("finish length after 7 of 8" in p for p in _check(_spec(), _answer(ids), {EOS}))
 
 
 def test_logprobs_must_cover_every_token_and_be_log_probabilities():
@@ -54,32 +72,32 @@ def test_logprobs_must_cover_every_token_and_be_log_probabilities():
     spec.body["return_logprob"] = True
     ids = [5, 6, 7, 8, 9, 10, 11, 12]
     good = _answer(ids, output_token_logprobs=[[-0.5, t, None] for t in ids])
-    assert soak.check(spec, good, {EOS}) == []
+    assert _check(spec, good, {EOS}) == []
     short = _answer(ids, output_token_logprobs=[[-0.5, t, None] for t in ids[:-1]])
     positive = _answer(ids, output_token_logprobs=[[0.5, t, None] for t in ids])
     for bad in (short, positive):
-        assert soak.check(spec, bad, {EOS}) != []
+        assert _check(spec, bad, {EOS}) != []
 
 
 def test_constrained_answers_are_checked_against_their_constraint():
     spec = _spec(json_schema=json.dumps(soak.JSON_SCHEMA))
     stop = {"type": "stop", "matched": EOS}
-    assert soak.check(spec, _answer([5, EOS], text='{"name": "a", "age": 3}', finish=stop), {EOS}) == []
-    assert soak.check(spec, _answer([5, EOS], text='{"name": "a"}', finish=stop), {EOS}) != []
+    assert _check(spec, _answer([5, EOS], text='{"name": "a", "age": 3}', finish=stop), {EOS}) == []
+    assert _check(spec, _answer([5, EOS], text='{"name": "a"}', finish=stop), {EOS}) != []
     spec = _spec(regex=soak.REGEX)
-    assert soak.check(spec, _answer([5, EOS], text="1, 2, 3", finish=stop), {EOS}) == []
-    assert soak.check(spec, _answer([5, EOS], text="1, x", finish=stop), {EOS}) != []
+    assert _check(spec, _answer([5, EOS], text="1, 2, 3", finish=stop), {EOS}) == []
+    assert _check(spec, _answer([5, EOS], text="1, x", finish=stop), {EOS}) != []
 
 
 def test_n_answers_are_counted_and_malformed_requests_must_be_refused():
     spec = _spec(n=2, temperature=0.9)
     one = _answer([5] * 8)
-    assert soak.check(spec, {"status": 200, "answer": [one["answer"]] * 2}, {EOS}) == []
-    assert any("1 answers for n=2" in p for p in soak.check(spec, one, {EOS}))
+    assert _check(spec, {"status": 200, "answer": [one["answer"]] * 2}, {EOS}) == []
+    assert any("1 answers for n=2" in p for p in _check(spec, one, {EOS}))
     bad = soak.Spec("m", "malformed/empty prompt", {"text": ""})
-    assert soak.check(bad, {"status": 400, "answer": None}, {EOS}) == []
-    assert soak.check(bad, _answer([5]), {EOS}) != []
-    assert soak.check(bad, {"status": None, "answer": None, "error": "ConnectionResetError"}, {EOS}) != []
+    assert _check(bad, {"status": 400, "answer": None}, {EOS}) == []
+    assert _check(bad, _answer([5]), {EOS}) != []
+    assert _check(bad, {"status": None, "answer": None, "error": "ConnectionResetError"}, {EOS}) != []
 
 
 def test_the_request_mix_covers_every_feature_and_stays_inside_the_context():
