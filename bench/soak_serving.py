@@ -279,17 +279,24 @@ def token_budget(max_new_tokens: int, prompt_tokens: int, context_length: int) -
 
 
 def check_answer(spec: Spec, answer: dict, params: dict, eos_ids: set[int], context_length: int) -> list[str]:
-    meta, ids = answer["meta_info"], answer["output_ids"]
+    meta, ids = answer.get("meta_info") or {}, answer.get("output_ids")
     finish = meta.get("finish_reason") or {}
+    kind = finish.get("type")
+    if spec.kind == "abort":
+        # Aborted while queued, the answer is just the abort; finished before the abort came, a
+        # normal one (ending on a stop string at most: aborted requests ignore EOS).
+        return [] if kind in ("abort", "length", "stop") else [f"aborted request finished {finish}"]
+    missing = [k for k in ("completion_tokens", "prompt_tokens") if k not in meta]
+    if ids is None:
+        missing.append("output_ids")
+    if missing:
+        return [f"answer without {', '.join(missing)}: {json.dumps(answer)[:300]}"]
     problems = []
     if meta["completion_tokens"] != len(ids):
         problems.append(f"completion_tokens {meta['completion_tokens']} but {len(ids)} output ids")
     budget = token_budget(params["max_new_tokens"], meta["prompt_tokens"], context_length)
     if len(ids) > budget:
         problems.append(f"{len(ids)} tokens for a budget of {budget}")
-    kind = finish.get("type")
-    if spec.kind == "abort":
-        return problems + ([] if kind in ("abort", "length") else [f"aborted request finished {finish}"])
     if kind == "length" and len(ids) != budget:
         problems.append(f"finish length after {len(ids)} of {budget} tokens")
     if kind not in ("length", "stop"):
@@ -365,7 +372,8 @@ def greedy_parity(args, target: Path, specs: list[Spec], results: list, tmp: Pat
     """The greedy requests that DFLASH answered, sent again (not streamed) to a plain server with the
     plugin active; differing answers get the fp32 logit margin at their first differing token."""
     todo = [(s, r) for s, r in zip(specs, results, strict=True)
-            if s.greedy and r is not None and r["status"] == 200 and isinstance(r["answer"], dict)]
+            if s.greedy and r is not None and r["status"] == 200 and isinstance(r["answer"], dict)
+            and "output_ids" in r["answer"]]
     plain = LocalServer("plain", launch_args(target, free_port(), extra=extra), server_env(tmp), tmp / "plain.log")
     try:
         plain.wait_ready(time.time() + STARTUP_TIMEOUT)
@@ -420,7 +428,10 @@ def summarize(specs: list[Spec], results: list, eos_ids: set[int], context_lengt
             counts["not_sent"] += 1
             continue
         counts["sent"] += 1
-        found = check(spec, result, eos_ids, context_length)
+        try:
+            found = check(spec, result, eos_ids, context_length)
+        except Exception as e:  # noqa: BLE001 -- an answer the checker cannot read is a finding, not a crash
+            found = [f"unreadable answer ({type(e).__name__}: {e}): {json.dumps(result)[:300]}"]
         if found:
             problems.append({"request": spec.id, "kind": spec.kind, "problems": found})
             lost += spec.kind in ("generate", "abort") and result.get("answer") is None
@@ -502,12 +513,12 @@ def main() -> None:
     rss = {"start_mb": rss_samples[0] / 2**20, "end_mb": rss_samples[-1] / 2**20,
            "samples_mb": [round(b / 2**20, 1) for b in rss_samples],
            "growth_mb": (rss_samples[-1] - rss_samples[1 if len(rss_samples) > 2 else 0]) / 2**20}
-    summary = summarize(specs, results, eos_ids, args.context_length)
     with open(tmp / "answers.jsonl", "w") as f:  # every request and what came back, to look into a problem
         for spec, result in zip(specs, results, strict=True):
             body = spec.body.decode(errors="replace") if isinstance(spec.body, bytes) else spec.body
             f.write(json.dumps({"id": spec.id, "kind": spec.kind, "stream": spec.stream, "body": body,
                                 "result": result}) + "\n")
+    summary = summarize(specs, results, eos_ids, args.context_length)
     parity = None if args.no_parity else greedy_parity(args, target, specs, results, tmp, extra, tokenizer)
     checks = verdicts(summary, idle, rss, alive_after, shutdown, parity, args)
 

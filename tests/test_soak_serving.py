@@ -120,3 +120,14 @@ def test_the_request_mix_covers_every_feature_and_stays_inside_the_context():
         assert any(key in p for p in params), key
     assert any(b.get("return_logprob") for b in bodies) and any(s.stream for s in specs)
     assert min(p["max_new_tokens"] for p in params) == 1 and max(p["max_new_tokens"] for p in params) > 200
+
+
+def test_an_answer_missing_fields_is_a_finding_and_an_abort_while_queued_is_fine():
+    abort = soak.Spec("a", "abort", {"sampling_params": {"max_new_tokens": 64}})
+    queued = {"status": 200, "answer": {"text": "", "meta_info": {"id": "a", "finish_reason": {"type": "abort"}}}}
+    assert _check(abort, queued, {EOS}) == []
+    no_prompt_tokens = {"status": 200, "answer": {"text": "", "output_ids": [5], "meta_info": {
+        "completion_tokens": 1, "finish_reason": {"type": "length", "length": 1}}}}
+    assert any("without prompt_tokens" in p for p in _check(_spec(), no_prompt_tokens, {EOS}))
+    summary = soak.summarize([_spec()], [{"status": 200, "answer": "not a dict"}], {EOS}, CONTEXT)
+    assert summary["requests_with_problems"] == 1 and "unreadable answer" in summary["problems"][0]["problems"][0]
