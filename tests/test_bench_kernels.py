@@ -220,15 +220,33 @@ def test_sampled_baseline_samples_only_the_filtered_set():
                                                                               bonus)
 
 
+# Triton reads TRITON_INTERPRET once, when it is first imported; in a whole-suite run another module
+# has imported it before these tests start. So the interpreted tests run in a process of their own
+# that has it set from the start (test_triton_kernels_under_the_interpreter), and skip elsewhere.
+INTERPRETED_PROCESS = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @pytest.fixture
-def triton_interpreted(monkeypatch):
+def triton_interpreted():
     """bench_kernels' Triton kernels defined under the interpreter (numpy on the CPU), then forgotten."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not INTERPRETED_PROCESS:
+        pytest.skip("runs in its own TRITON_INTERPRET=1 process (test_triton_kernels_under_the_interpreter)")
     bk._triton_kernels.cache_clear()
     yield
     bk._triton_kernels.cache_clear()
+
+
+def test_triton_kernels_under_the_interpreter():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    if INTERPRETED_PROCESS:
+        pytest.skip("this is that process")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "triton_split_kv_kernel"], cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
