@@ -53,7 +53,7 @@ def test_generate_json_lists_the_adaptive_block_size_decisions(tmp_path):
     assert len(decisions) == req["stats"]["steps"] == len(req["steps"])
     assert sum(d["block_size"] for d in decisions) == req["stats"]["verified_tokens"]
     assert all(len(step) <= d["block_size"] for step, d in zip(req["steps"], decisions, strict=True))
-    assert decisions[0]["why"] == "first try at this batch size"
+    assert decisions[0]["why"] == "first try"
     assert any(len(d.get("expected_tokens", ())) == 4 and len(d["step_ms"]) == 4 for d in decisions)
 
 

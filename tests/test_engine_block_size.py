@@ -3,12 +3,13 @@ generation with it stays lossless while the block size changes from step to step
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from sglang_dflash.engine import DFlashDrafter, Generator, OracleDrafter, SamplingParams
-from sglang_dflash.engine.block_size import BlockSizeController
+from sglang_dflash.engine.block_size import BlockSizeController, StepTimeModel
 from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, tiny_target
 
 
@@ -35,16 +36,55 @@ def drive(controller: BlockSizeController, rates: list[float], steps: int, seed:
     return chosen
 
 
-def test_times_the_largest_size_two_and_one_first_then_per_new_batch_size():
-    """Twice each: the first step at a new shape pays one-off costs, so the second replaces it."""
-    c = BlockSizeController(4)
+def test_times_the_largest_size_two_and_one_first_and_not_again_at_a_new_batch_size():
+    """Twice each: the first step at a new shape pays one-off costs and is not timed (a controller
+    that saw those steps 3x slower predicts exactly what one that did not predicts). A new batch
+    size starts from the nearest one's model, rescaled to its first timed step."""
+    slow_first, plain = BlockSizeController(4), BlockSizeController(4)
     for b in (4, 4, 2, 2, 1, 1):
-        assert c.choose(1) == b
-        c.observe(b, [0], step_seconds(b) * (3.0 if b not in {k[1] for k in c._times} else 1.0))
-    assert c.step_seconds(1, 4) == pytest.approx(step_seconds(4))  # the 3x first step is gone
-    assert c.step_seconds(1, 3) == pytest.approx((step_seconds(2) + step_seconds(4)) / 2)  # interpolated
-    assert c.choose(1) in (1, 2, 3, 4)
-    assert c.choose(2) == 4  # step times are measured per batch size
+        for c in (slow_first, plain):
+            assert c.choose(1) == b and c.last_decision["why"] == "first try"
+        first = (1, b) not in slow_first._seen
+        slow_first.observe(b, [0], step_seconds(b) * (3.0 if first else 1.0))
+        plain.observe(b, [0], step_seconds(b))
+    assert [slow_first.step_seconds(1, b) for b in range(1, 5)] == [plain.step_seconds(1, b) for b in range(1, 5)]
+    c = slow_first
+    assert c.choose(1) in (1, 2, 3, 4) and c.last_decision["why"] == "best"
+    assert c.step_seconds(3, 2) is None
+    b = c.choose(3)
+    assert c.last_decision["why"] == "best"  # no new round of first tries
+    c.observe(b, [0, 0, 0], 9.0)  # first step at (3, b): not timed
+    c.observe(b, [0, 0, 0], 2.0 * c.step_seconds(1, b))
+    for k in range(1, 5):  # batch size 1's shape, at batch size 3's scale
+        assert c.step_seconds(3, k) == pytest.approx(2.0 * c.step_seconds(1, k))
+
+
+def test_step_time_model_tracks_noisy_times_and_drift():
+    """Steps jitter +-15 % (lognormal) with 3 % outliers at 2x; the model's predictions follow the
+    truth for every size, also after the machine gets 30 % slower while only one size is played
+    (every size's prediction follows)."""
+    rng = random.Random(3)
+    true = {b: 0.036 + 0.0065 * (b > 1) + 0.0025 * max(b - 2, 0) for b in range(1, 9)}
+    model = StepTimeModel(8, true[8])
+
+    def play(sizes, slow, steps):
+        for _ in range(steps):
+            b = rng.choice(sizes)
+            model.observe(b, true[b] * slow * rng.lognormvariate(0.0, 0.15) * (2.0 if rng.random() < 0.03 else 1.0))
+
+    def check(slow, ratio_tolerance):
+        # The filter tracks mean step times (the jitter and outliers add ~4 % to the median's, and a
+        # recent stretch of slow steps a few % more); the ratios between sizes, which the choice
+        # depends on, it gets within 3 % (5 % after 300 steps that contrast no sizes).
+        predicted = [model.predict(b) for b in true]
+        assert all(p == pytest.approx(slow * true[b], rel=0.12) for b, p in zip(true, predicted, strict=True)), predicted
+        assert all(p / predicted[0] == pytest.approx(true[b] / true[1], rel=ratio_tolerance)
+                   for b, p in zip(true, predicted, strict=True)), predicted
+
+    play([1, 2, 3, 4, 8], 1.0, 400)
+    check(1.0, 0.03)
+    play([3], 1.3, 300)
+    check(1.3, 0.05)
 
 
 def test_acceptance_estimates_follow_the_rates():
@@ -73,15 +113,22 @@ def test_comes_back_to_longer_blocks_when_acceptance_returns():
     assert chosen[-50:].count(4) > 40, chosen
 
 
-def test_re_times_every_size_periodically():
+def test_explores_the_next_larger_size_periodically():
+    """Every explore_every-th step plays b* + 1, which tests the first draft position the chosen
+    blocks leave untested; at b* = max there is nothing to explore."""
     c = BlockSizeController(4, explore_every=8)
-    chosen = drive(c, [0.95] * 3, 4 + 8 * 12)
-    assert set(chosen[4:]) == {1, 2, 3, 4}, chosen
+    chosen = drive(c, [0.02] * 3, 6 + 8 * 12)[6:]
+    explored = [b for i, b in enumerate(chosen) if c.explore_every - 1 == (i + 6) % c.explore_every]
+    assert explored == [2] * len(explored) and chosen.count(1) >= len(chosen) - len(explored), chosen
+    c = BlockSizeController(4, explore_every=8)
+    assert drive(c, [0.97] * 3, 6 + 8 * 12)[6:].count(4) >= 8 * 12 - 2
 
 
-def sim_seconds(block_size: int) -> float:
-    """A CPU-like step: a plain step 30 ms, a draft forward +20 %, each block row +3 %."""
-    return 0.030 * (1.0 + 0.2 * (block_size > 1) + 0.03 * block_size)
+def sim_seconds(block_size: int, batch_size: int) -> float:
+    """A step of this CPU (SmolLM2-135M + the shipped drafter, bench_e2e): a plain step 36 ms, the
+    draft forward and the second row +6.5 ms, each further row +2.5 ms; more requests cost more."""
+    return (0.036 * (1 + 0.15 * (batch_size - 1)) + 0.0065 * (block_size > 1)
+            + 0.0025 * max(block_size - 2, 0) * batch_size)
 
 
 def expected_tokens(rates: list[float], block_size: int) -> float:
@@ -92,37 +139,49 @@ def expected_tokens(rates: list[float], block_size: int) -> float:
     return expected
 
 
-LOW, CODE, HIGH = [0.14] * 7, [0.55, 0.4, 0.5, 0.45, 0.45, 0.5, 0.5], [0.92] * 7
-DEEP = [0.25, 0.95, 0.95, 0.95, 0.95, 0.95, 0.95]  # long blocks pay, two-token blocks do not
-
-
-@pytest.mark.parametrize("phases", [[LOW], [CODE], [HIGH], [DEEP], [LOW, HIGH], [HIGH, LOW], [CODE, LOW, CODE]],
-                         ids=["low", "code", "high", "deep", "low-high", "high-low", "code-low-code"])
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_never_slower_than_the_best_fixed_block_size(phases, batch_size):
-    """Simulated steps with known acceptance rates, noisy step times (5 %, a 1.5x first step at
-    every size, the machine 1.5x slower for a third of the first phase): the adaptive block size
-    makes at least 97 % of the tokens per second of the best fixed block size (plain steps
-    included) over the same phases. The controller before v2 made 95 % in the low-acceptance case."""
-    rng = random.Random(7)
-    c = BlockSizeController(8)
-    steps_per_phase = 1500
-    tokens = seconds = 0.0
+def simulate(policy, phases: list[list[float]], batch_size: int, seed: int, steps_per_phase: int = 1500) -> float:
+    """Tokens per second of `policy` (a controller, or a fixed block size) over the phases' acceptance
+    rates, with this CPU's step-time noise: +-15 % lognormal jitter that persists over ~10 steps,
+    3 % of steps 1.8x, the first step at each size 1.5x, and the machine 1.3x slower for the middle
+    third of the first phase. The noise of step i is the same for every policy given one seed."""
+    accept_rng, noise_rng = random.Random(seed), random.Random(seed + 1)
+    tokens = seconds = log_noise = 0.0
     first = set()
     for phase, rates in enumerate(phases):
         for i in range(steps_per_phase):
-            b = c.choose(batch_size)
-            accepted = [accepted_run(rates, b, rng) for _ in range(batch_size)]
-            slow = 1.5 if phase == 0 and steps_per_phase // 3 <= i < 2 * steps_per_phase // 3 else 1.0
-            t = sim_seconds(b) * slow * rng.lognormvariate(0.0, 0.05) * (1.5 if b not in first else 1.0)
+            b = policy if isinstance(policy, int) else policy.choose(batch_size)
+            accepted = [accepted_run(rates, b, accept_rng) for _ in range(batch_size)]
+            log_noise = 0.9 * log_noise + 0.436 * noise_rng.gauss(0.0, 0.15)  # sd 0.15, autocorrelation 0.9
+            outlier = 1.8 if noise_rng.random() < 0.03 else 1.0
+            slow = 1.3 if phase == 0 and steps_per_phase // 3 <= i < 2 * steps_per_phase // 3 else 1.0
+            t = sim_seconds(b, batch_size) * slow * math.exp(log_noise) * outlier * (1.5 if b not in first else 1.0)
             first.add(b)
-            c.observe(b, accepted, t)
+            if not isinstance(policy, int):
+                policy.observe(b, accepted, t)
             tokens += sum(a + 1 for a in accepted)
             seconds += t
-    # The best fixed size on the same phases, from the exact expectations (no noise, no slow stretch
-    # charged: the adaptive run pays those, so the bound is conservative).
-    best = max(sum(expected_tokens(r, b) for r in phases) / (len(phases) * sim_seconds(b)) for b in range(1, 9))
-    assert tokens / batch_size / seconds >= 0.97 * best / (1 + 0.5 / 3 / len(phases)), (tokens / seconds, best)
+    return tokens / seconds
+
+
+LOW, CHAT, HIGH = [0.14] * 7, [0.2, 0.15, 0.15, 0.2, 0.2, 0.2, 0.2], [0.92] * 7
+CODE = [0.55, 0.4, 0.5, 0.45, 0.45, 0.5, 0.5]
+DEEP = [0.25, 0.95, 0.95, 0.95, 0.95, 0.95, 0.95]  # long blocks pay, two-token blocks do not
+
+
+@pytest.mark.parametrize("phases", [[LOW], [CHAT], [CODE], [HIGH], [DEEP], [LOW, HIGH], [HIGH, LOW],
+                                    [CODE, LOW, CODE]],
+                         ids=["low", "chat", "code", "high", "deep", "low-high", "high-low", "code-low-code"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_never_slower_than_the_best_fixed_block_size(phases, batch_size):
+    """The adaptive block size makes at least 97 % of the tokens per second of the best fixed block
+    size (plain steps included), each run through the same simulated phases and step-time noise
+    (mean over three seeds). Its first version, which kept noisy median step times per size, made
+    96-97 % in 4 of these 16 cases, and 1-7 % less than this one in 14."""
+    ratios = []
+    for seed in (7, 8, 9):
+        adaptive = simulate(BlockSizeController(8), phases, batch_size, seed)
+        ratios.append(adaptive / max(simulate(b, phases, batch_size, seed) for b in range(1, 9)))
+    assert sum(ratios) / len(ratios) >= 0.97, ratios
 
 
 def test_rarely_tested_positions_keep_what_they_learned():
@@ -139,12 +198,12 @@ def test_rarely_tested_positions_keep_what_they_learned():
 def test_the_decision_says_why():
     c = BlockSizeController(2, explore_every=1000)
     c.choose(1)
-    assert c.last_decision == {"block_size": 2, "why": "first try at this batch size"}
-    for b, seconds in ((2, 0.02), (2, 0.02), (1, 0.01), (1, 0.01)):
-        c.observe(b, [0], seconds)
+    assert c.last_decision == {"block_size": 2, "why": "first try"}
+    for b in (2, 2, 1, 1) + (2, 1) * 20:
+        c.observe(b, [0], 0.01 * b)
     assert c.choose(1) == 1
     assert c.last_decision["why"] == "best" and len(c.last_decision["expected_tokens"]) == 2
-    assert c.last_decision["step_ms"] == [10.0, 20.0]
+    assert c.last_decision["step_ms"] == pytest.approx([10.0, 20.0], rel=0.1)
 
 
 def test_bad_arguments():
@@ -179,8 +238,8 @@ def test_adaptive_generation_equals_plain_greedy(drafter_kind):
             assert result.output_ids == ref
             assert [t for s in result.steps for t in s] == result.output_ids[1:]
             assert 1 <= result.stats.mean_block_size <= 8
-    sizes = {b for (_, b) in gen.controller._times}
-    assert {1, 2, 8} <= sizes and len(sizes) >= 4, sizes
+    sizes = {b for (_, b) in gen.controller._seen}
+    assert {1, 2, 8} <= sizes and (drafter_kind == "dflash" or len(sizes) >= 4), sizes  # a random draft never pays
 
 
 def test_adaptive_sampling_runs():

@@ -15,42 +15,94 @@ position the chosen blocks rarely reach keeps what it last learned instead of dr
 an optimistic prior (which made a low-acceptance run keep re-trying drafts). A position with
 little data leans on the estimate of the position before it.
 
-Step time: the median of the last `window` steps at each (batch size, b), robust to one-off slow
-steps; the first step at each (batch size, b) is replaced by the next (one-off costs of a new
-shape). Sizes not timed yet at a batch size are interpolated between the nearest timed ones.
+Step time: `StepTimeModel`, one per batch size. A CPU step's time varies +-20 % from step to step
+and drifts with the machine and the context length, so separate medians per block size (the
+controller's first version) were noisy and stale: a size not played for a while kept an old time
+and was chosen, or avoided, for it. Instead every step, whatever its size, updates one model of
+all sizes: seconds(b) = base + jump * [b > 1] + slope * max(b - 2, 0) (a plain step; the draft
+forward and the second row; each further row), tracked by a Kalman filter in which `base` drifts
+fastest, so a slower machine or a longer context moves every size's time at once, while the draft
+costs keep what the contrasts between sizes taught them. The first step at each (batch size, b)
+is not timed (one-off costs of a new shape); a new batch size starts from the nearest known
+batch size's model, rescaled to its first timed step.
 
-Exploration: at each new batch size the largest size (which tests every draft position), 2 and 1
-are timed first (twice each); then every `explore_every`-th step re-times a size: usually the
-least measured, then stalest, neighbour of the best one (cheap, since neighbours are nearly as
-good, and what moves the choice), every fourth time any other size, so a far-away size can win
-again after the text changes. The block size never changes the output: every step is a lossless verify.
+Exploration: the first batch size times the largest size (which tests every draft position), 2
+and 1 first; then every `explore_every`-th step plays b* + 1 (when b* < max), the size that tests
+the first draft position the chosen blocks leave untested, so the choice can grow again when
+drafts start to pay, at the small cost of a neighbour of the best size. The block size never
+changes the output: every step is a lossless verify.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
+# Kalman filter noise: step-to-step jitter of one step (R, relative to its time), and how far per
+# step the parameters may drift (Q): all of them together by a common factor (a slower machine
+# slows every part of a step), and each on its own a little (relative to the base time).
+_STEP_JITTER = 0.15
+_SCALE_DRIFT = 0.01
+_SHAPE_DRIFT = (0.002, 0.002, 0.0005)
+_OUTLIER_SIGMAS = 2.5  # a step further than this from the prediction counts as if at this distance
+_PRIOR = (1.0, 0.2, 0.05)  # base, jump, slope relative to base before any contrast
+_PRIOR_SD = (0.5, 0.3, 0.1)  # ... and how unsure of them (relative to base)
+
+
+class StepTimeModel:
+    """seconds(b) = base + jump * [b > 1] + slope * max(b - 2, 0) at one batch size, from noisy
+    step times: a Kalman filter over (base, jump, slope), innovations clipped at 2.5 sigma. Plain
+    floats, not numpy: it runs every step, and numpy's per-call cost was ~0.2 ms of it."""
+
+    def __init__(self, first_b: int, first_seconds: float, template: StepTimeModel | None = None):
+        if template is None:
+            self.x = list(_PRIOR)
+            self.cov = [[sd * sd if i == j else 0.0 for j, _ in enumerate(_PRIOR_SD)] for i, sd in enumerate(_PRIOR_SD)]
+            inflate = 1.0
+        else:  # another batch size's shape, rescaled below; less sure of it
+            self.x, self.cov, inflate = list(template.x), [list(row) for row in template.cov], 4.0
+        scale = first_seconds / max(self.predict(first_b), 1e-12)
+        self.x = [v * scale for v in self.x]
+        self.cov = [[v * scale * scale * inflate for v in row] for row in self.cov]
+
+    @staticmethod
+    def _features(b: int) -> tuple[float, float, float]:
+        return 1.0, float(b > 1), float(max(b - 2, 0))
+
+    def predict(self, b: int) -> float:
+        return sum(h * v for h, v in zip(self._features(b), self.x, strict=True))
+
+    def observe(self, b: int, seconds: float) -> None:
+        base = max(self.x[0], 1e-12)
+        cov = [[v + _SCALE_DRIFT ** 2 * self.x[i] * self.x[j] + ((d * base) ** 2 if i == j else 0.0)
+                for j, v in enumerate(row)] for i, (row, d) in enumerate(zip(self.cov, _SHAPE_DRIFT, strict=True))]
+        h = self._features(b)
+        ch = [sum(c * hj for c, hj in zip(row, h, strict=True)) for row in cov]  # cov @ h (cov is symmetric)
+        predicted = self.predict(b)
+        var = sum(hi * c for hi, c in zip(h, ch, strict=True)) + (_STEP_JITTER * max(predicted, 1e-12)) ** 2
+        limit = _OUTLIER_SIGMAS * var ** 0.5
+        innovation = min(max(seconds - predicted, -limit), limit)
+        gain = [c / var for c in ch]
+        self.x = [v + g * innovation for v, g in zip(self.x, gain, strict=True)]
+        self.cov = [[cov[i][j] - gain[i] * ch[j] for j in range(3)] for i in range(3)]
 
 
 class BlockSizeController:
-    def __init__(self, max_block_size: int, decay: float = 0.95, prior_weight: float = 1.0,
-                 explore_every: int = 16, window: int = 5):
+    def __init__(self, max_block_size: int, decay: float = 0.97, prior_weight: float = 1.0,
+                 explore_every: int = 16):
         if max_block_size < 1:
             raise ValueError(f"max_block_size must be >= 1, got {max_block_size}")
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
-        if explore_every < 2 or window < 1:
-            raise ValueError(f"explore_every must be >= 2 and window >= 1, got {explore_every}, {window}")
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
         self.max_block_size = max_block_size
         self.decay, self.prior_weight = decay, prior_weight
-        self.explore_every, self.window = explore_every, window
+        self.explore_every = explore_every
         self._tested = [0.0] * (max_block_size - 1)  # [k - 1]: weighted count of drafts k checked
         self._accepted = [0.0] * (max_block_size - 1)  # ... and of those accepted
-        self._times: dict[tuple[int, int], deque[float]] = {}  # (batch size, b) -> recent step seconds
-        self._timed_at: dict[tuple[int, int], int] = {}  # (batch size, b) -> step of its last timing
-        self._warming_up: set[tuple[int, int]] = set()  # sizes timed once: that first step is not kept
+        self._models: dict[int, StepTimeModel] = {}  # batch size -> its step times
+        self._seen: set[tuple[int, int]] = set()  # (batch size, b) played at least once
+        self._first_batch_size: int | None = None  # the batch size of the first timed step
+        self._timed_sizes: set[int] = set()  # block sizes timed at that batch size
         self._steps = 0
-        self._explorations = 0
         self.last_decision: dict = {}  # why the last choose() chose what it chose (for --json / logs)
 
     def acceptance(self) -> list[float]:
@@ -70,44 +122,29 @@ class BlockSizeController:
         return expected
 
     def step_seconds(self, batch_size: int, block_size: int) -> float | None:
-        """Recent step seconds at (batch_size, block_size): the median of its last steps, or
-        interpolated from the nearest timed sizes when it has none; None before any was timed."""
-        times = self._times.get((batch_size, block_size))
-        if times:
-            return statistics.median(times)
-        timed = [b for b in range(1, self.max_block_size + 1) if (batch_size, b) in self._times]
-        if not timed:
-            return None
-        below = [b for b in timed if b < block_size and (b > 1 or block_size == 2)]  # b = 1 has no draft
-        above = [b for b in timed if b > block_size]
-        if not below or not above:
-            return self.step_seconds(batch_size, (below or above)[-1 if below else 0])
-        lo, hi = below[-1], above[0]
-        t_lo, t_hi = self.step_seconds(batch_size, lo), self.step_seconds(batch_size, hi)
-        return t_lo + (t_hi - t_lo) * (block_size - lo) / (hi - lo)
+        """Predicted seconds of a step at (batch_size, block_size); None before that batch size
+        (or, for the first batch size, before its first sizes) was timed."""
+        model = self._models.get(batch_size)
+        return None if model is None else model.predict(block_size)
 
     def choose(self, batch_size: int) -> int:
-        sizes = range(self.max_block_size, 0, -1)
-        anchors = dict.fromkeys((self.max_block_size, min(2, self.max_block_size), 1))
-        untried = [b for b in anchors if (batch_size, b) not in self._times or (batch_size, b) in self._warming_up]
-        if untried:
-            return self._decide(untried[0], "first try at this batch size")
+        untimed = [b for b in self._anchors() if b not in self._timed_sizes]
+        if untimed and (not self._models or batch_size == self._first_batch_size):
+            return self._decide(untimed[0], "first try")
+        model = self._models.get(batch_size) or self._nearest_model(batch_size)
         expected = self.expected_tokens()
-        seconds = [self.step_seconds(batch_size, b) for b in range(1, self.max_block_size + 1)]
-        rate = {b: expected[b - 1] / seconds[b - 1] for b in sizes}
-        best = max(sorted(rate), key=rate.__getitem__)  # smallest b on ties
-        if self._steps % self.explore_every == self.explore_every - 1:
-            self._explorations += 1
-            pool = [b for b in (best - 1, best + 1) if 1 <= b <= self.max_block_size]
-            if self._explorations % 4 == 0 or not pool:
-                pool = [b for b in sizes if b != best] or [best]
-
-            def staleness(b):
-                times = self._times.get((batch_size, b), ())
-                return len(times), self._timed_at.get((batch_size, b), -1)
-
-            return self._decide(min(pool, key=staleness), "re-time", expected, seconds)
+        seconds = [model.predict(b) for b in range(1, self.max_block_size + 1)]
+        rate = [e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True)]
+        best = 1 + max(range(self.max_block_size), key=rate.__getitem__)  # smallest b on ties
+        if self._steps % self.explore_every == self.explore_every - 1 and best < self.max_block_size:
+            return self._decide(best + 1, "explore", expected, seconds)
         return self._decide(best, "best", expected, seconds)
+
+    def _anchors(self) -> list[int]:
+        return list(dict.fromkeys((self.max_block_size, min(2, self.max_block_size), 1)))
+
+    def _nearest_model(self, batch_size: int) -> StepTimeModel:
+        return self._models[min(self._models, key=lambda n: (abs(n - batch_size), n))]
 
     def _decide(self, block_size: int, why: str, expected: list[float] | None = None,
                 seconds: list[float] | None = None) -> int:
@@ -128,12 +165,19 @@ class BlockSizeController:
             for k in range(min(a + 1, block_size - 1)):  # drafts 1..a accepted, draft a + 1 rejected
                 self._tested[k] = self._tested[k] * self.decay + 1.0
                 self._accepted[k] = self._accepted[k] * self.decay + float(k < a)
-        key = (len(accept_lens), block_size)
-        if key in self._warming_up:  # the first step at a new shape pays one-off costs: replace it
-            self._warming_up.discard(key)
-            self._times[key].clear()
-        elif key not in self._times:
-            self._warming_up.add(key)
-        self._times.setdefault(key, deque(maxlen=self.window)).append(seconds)
-        self._timed_at[key] = self._steps
         self._steps += 1
+        key = (len(accept_lens), block_size)
+        if key not in self._seen:  # the first step at a new shape pays one-off costs: not timed
+            self._seen.add(key)
+            return
+        batch_size = len(accept_lens)
+        model = self._models.get(batch_size)
+        if model is None:
+            template = self._nearest_model(batch_size) if self._models else None
+            self._models[batch_size] = StepTimeModel(block_size, seconds, template)
+            if self._first_batch_size is None:
+                self._first_batch_size = batch_size
+        else:
+            model.observe(block_size, seconds)
+        if batch_size == self._first_batch_size:
+            self._timed_sizes.add(block_size)
