@@ -77,7 +77,8 @@ def test_step_time_model_tracks_noisy_times_and_drift():
         # recent stretch of slow steps a few % more); the ratios between sizes, which the choice
         # depends on, it gets within 3 % (5 % after 300 steps that contrast no sizes).
         predicted = [model.predict(b) for b in true]
-        assert all(p == pytest.approx(slow * true[b], rel=0.12) for b, p in zip(true, predicted, strict=True)), predicted
+        assert all(p == pytest.approx(slow * true[b], rel=0.12)
+                   for b, p in zip(true, predicted, strict=True)), predicted
         assert all(p / predicted[0] == pytest.approx(true[b] / true[1], rel=ratio_tolerance)
                    for b, p in zip(true, predicted, strict=True)), predicted
 
