@@ -75,6 +75,25 @@ def block_label(row: dict) -> str:
     return f"≤{row['block_size']}" if row.get("adaptive") else str(row["block_size"])
 
 
+def adaptive_against_fixed(rows: list[dict]) -> list[dict]:
+    """Per dataset, temperature and adaptive maximum: its speedup over the best fixed block size
+    of the same run (plain decoding, speedup 1.0, counted as a fixed size) and over plain."""
+    out = []
+    for row in rows:
+        if not row.get("adaptive"):
+            continue
+        fixed = [r for r in rows if not r.get("adaptive") and r["dataset"] == row["dataset"]
+                 and r["temperature"] == row["temperature"]]
+        best = max(fixed, key=lambda r: r["speedup"], default=None)
+        best_speedup, best_label = (1.0, "1")  # plain decoding
+        if best and best["speedup"] > 1.0:
+            best_speedup, best_label = best["speedup"], block_label(best)
+        out.append({"dataset": row["dataset"], "temperature": row["temperature"], "adaptive": block_label(row),
+                    "speedup": row["speedup"], "best_fixed": best_label, "best_fixed_speedup": best_speedup,
+                    "vs_best_fixed": row["speedup"] / best_speedup})
+    return out
+
+
 def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
     import matplotlib
 
@@ -157,10 +176,15 @@ def main() -> None:
               f"{r['tau_token_weighted']:9.2f} {r['tau_per_sample_mean']:9.2f} {r['speedup']:7.2f}x "
               f"{r['spec_tok_s']:10.1f} {r['plain_tok_s']:11.1f} {r['spec_step_ms']:12.1f} "
               f"{r['draft_ms_per_step']:7.1f} {r['plain_step_ms']:13.1f} {str(r['identical_to_plain']):>7s}")
+    summary = adaptive_against_fixed(rows)
+    for a in summary:
+        print(f"{a['dataset']:10s} T={a['temperature']:.1f} adaptive B={a['adaptive']}: {a['speedup']:.2f}x plain, "
+              f"{a['vs_best_fixed']:.3f} of the best fixed B={a['best_fixed']} ({a['best_fixed_speedup']:.2f}x)")
     out = args.out or ROOT / "bench" / "results" / f"e2e_{Path(args.target).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(provenance=info, target=args.target, draft=str(args.draft),
-                                   draft_dtype=args.draft_dtype, max_new_tokens=args.max_new_tokens, cases=rows),
+                                   draft_dtype=args.draft_dtype, max_new_tokens=args.max_new_tokens, cases=rows,
+                                   adaptive_against_fixed=summary),
                               indent=2))
     for path in [out, *plot(rows, out.with_suffix(""))]:
         print(f"wrote {path}")
