@@ -94,6 +94,33 @@ def adaptive_against_fixed(rows: list[dict]) -> list[dict]:
     return out
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """The README table of a run: per dataset and temperature, tau and speedup over plain at each
+    fixed block size, the adaptive block size's speedup (its mean block size), and the adaptive
+    speedup over the best fixed one (plain, 1.00x, counted); the best speedup of a row in bold."""
+    fixed = sorted({r["block_size"] for r in rows if not r.get("adaptive")})
+    adaptive = sorted({r["block_size"] for r in rows if r.get("adaptive")})
+    head = ([f"tau B={b}" for b in fixed] + [f"B={b}" for b in fixed] + [f"B≤{b} (mean B)" for b in adaptive]
+            + [f"B≤{b} / best fixed" for b in adaptive])
+    lines = ["| dataset | T | " + " | ".join(head) + " |", "| --- " * (2 + len(head)) + "|"]
+    vs_best = {(a["dataset"], a["temperature"], a["adaptive"]): a for a in adaptive_against_fixed(rows)}
+    for dataset, temperature in dict.fromkeys((r["dataset"], r["temperature"]) for r in rows):
+        cell = [r for r in rows if r["dataset"] == dataset and r["temperature"] == temperature]
+        best = max([1.0] + [r["speedup"] for r in cell])
+        by_size = {(r["block_size"], bool(r.get("adaptive"))): r for r in cell}
+
+        def speed(r, suffix="", best=best):
+            text = f"{r['speedup']:.2f}x{suffix}"
+            return f"**{text}**" if r["speedup"] == best else text
+
+        values = ([f"{by_size[b, False]['tau_token_weighted']:.2f}" for b in fixed]
+                  + [speed(by_size[b, False]) for b in fixed]
+                  + [speed(by_size[b, True], f" ({by_size[b, True]['mean_block_size']:.1f})") for b in adaptive]
+                  + [f"{vs_best[dataset, temperature, f'≤{b}']['vs_best_fixed']:.2f}" for b in adaptive])
+        lines.append(f"| {dataset} | {temperature:g} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
     import matplotlib
 
@@ -145,7 +172,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gsm8k", type=Path, default=DEFAULT_GSM8K)
     parser.add_argument("--out", type=Path, help="JSON path (default bench/results/e2e_<target>.json)")
+    parser.add_argument("--table", type=Path, metavar="RESULTS_JSON",
+                        help="only print the markdown table of an earlier run's JSON")
     args = parser.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(args.table.read_text())["cases"]))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -180,6 +212,7 @@ def main() -> None:
     for a in summary:
         print(f"{a['dataset']:10s} T={a['temperature']:.1f} adaptive B={a['adaptive']}: {a['speedup']:.2f}x plain, "
               f"{a['vs_best_fixed']:.3f} of the best fixed B={a['best_fixed']} ({a['best_fixed_speedup']:.2f}x)")
+    print(markdown_table(rows))
     out = args.out or ROOT / "bench" / "results" / f"e2e_{Path(args.target).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(provenance=info, target=args.target, draft=str(args.draft),

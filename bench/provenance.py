@@ -35,10 +35,11 @@ def weights_sha256(path: Path) -> dict[str, str]:
 
 def git_state() -> dict:
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout
 
-    changed = [line[3:] for line in git("status", "--porcelain").splitlines()]
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(changed), "changed_files": changed}
+    # Not stripped: a porcelain line is "XY path", and X is a space for a file changed but not staged.
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines() if line]
+    return {"commit": git("rev-parse", "HEAD").strip() or None, "dirty": bool(changed), "changed_files": changed}
 
 
 def versions() -> dict[str, str | None]:

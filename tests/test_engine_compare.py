@@ -108,3 +108,15 @@ def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
     assert greedy_b4["tau_token_weighted"] >= 1.5, greedy_b4
     assert out.with_name("e2e_tau_hist.png").stat().st_size > 1000
     assert out.with_name("e2e_speedup.png").stat().st_size > 1000
+    # Adaptive against the best fixed size, per temperature, in the JSON and the markdown table.
+    vs_best = result["adaptive_against_fixed"]
+    assert [(a["temperature"], a["adaptive"]) for a in vs_best] == [(0.0, "≤4"), (1.0, "≤4")]
+    for a in vs_best:
+        fixed = [c["speedup"] for c in result["cases"] if c["temperature"] == a["temperature"] and not c["adaptive"]]
+        assert a["best_fixed_speedup"] == max([1.0, *fixed])
+        adaptive = next(c for c in result["cases"] if c["temperature"] == a["temperature"] and c["adaptive"])
+        assert a["vs_best_fixed"] == pytest.approx(adaptive["speedup"] / a["best_fixed_speedup"])
+    table = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_e2e.py"), "--table", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, env=env, check=True).stdout
+    assert table.splitlines()[0].startswith("| dataset | T | tau B=4 | tau B=8 | B=4 | B=8 | B≤4 (mean B) |")
+    assert [line.split(" | ")[1] for line in table.splitlines()[2:]] == ["0", "1"]
