@@ -55,7 +55,14 @@ from tqdm import tqdm
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
-from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_args, server_env, sigterm_in_flight
+from sglang_dflash.sglang.local_server import (
+    LocalServer,
+    free_port,
+    launch_args,
+    server_env,
+    sigterm_in_flight,
+    sse_chunks,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = "smollm2-135m"
@@ -227,13 +234,7 @@ def read_stream(response, spec: Spec) -> dict:
     """Server-sent events up to `data: [DONE]` (or the disconnect this spec asks for): the last chunk
     of each output index (SGLang's stream repeats the whole output so far)."""
     finals, chunks, problems, seen = {}, 0, [], {}
-    for line in response:
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[len(b"data:"):].strip()
-        if payload == b"[DONE]":
-            break
-        chunk = json.loads(payload)
+    for chunk in sse_chunks(response):
         chunks += 1
         if "error" in chunk:
             return {"status": response.status, "answer": None, "chunks": chunks, "error": str(chunk["error"])}

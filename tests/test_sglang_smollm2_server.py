@@ -29,7 +29,14 @@ if importlib.util.find_spec("sglang") is None:
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
-from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_args, server_env, sigterm_in_flight
+from sglang_dflash.sglang.local_server import (
+    LocalServer,
+    free_port,
+    launch_args,
+    server_env,
+    sigterm_in_flight,
+    sse_chunks,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -72,11 +79,10 @@ def _abort_while_running(server: LocalServer, text: str) -> dict:
                                      headers={"Content-Type": "application/json"})
     final = None
     with urllib.request.urlopen(request, timeout=300) as r:
-        for line in r:
-            if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
-                if final is None:
-                    server.abort(rid)
-                final = json.loads(line[5:])
+        for chunk in sse_chunks(r):
+            if final is None:
+                server.abort(rid)
+            final = chunk
     return final
 
 

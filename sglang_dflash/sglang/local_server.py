@@ -72,6 +72,19 @@ def launch_args(model_path: Path, port: int, *, draft: Path | None = None, extra
     return args + list(extra)
 
 
+def sse_chunks(response):
+    """The JSON chunks of a server-sent event stream (SGLang's /generate with "stream": true), up
+    to `data: [DONE]`; lines that are not data, and empty data, are skipped."""
+    for line in response:
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[len(b"data:"):].strip()
+        if payload == b"[DONE]":
+            return
+        if payload:
+            yield json.loads(payload)
+
+
 class LocalServer:
     """One server process, in a session of its own (so its scheduler and detokenizer children can be
     found and killed as a group), its output in `log_path`."""
@@ -127,13 +140,7 @@ class LocalServer:
         start = time.perf_counter()
         final, arrivals = None, []
         with urllib.request.urlopen(self._request("/generate", dict(body, stream=True)), timeout=timeout) as r:
-            for line in r:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[len(b"data:"):].strip()
-                if payload == b"[DONE]":
-                    break
-                chunk = json.loads(payload)
+            for chunk in sse_chunks(r):
                 if "error" in chunk:
                     raise RuntimeError(f"{self.name}: {chunk['error']}")
                 arrivals.append((time.perf_counter() - start, chunk["meta_info"]["completion_tokens"]))
@@ -229,13 +236,11 @@ def sigterm_in_flight(server: LocalServer, texts: list[str], max_new_tokens: int
         final, waited = None, False
         try:
             with urllib.request.urlopen(request, timeout=300) as r:
-                for line in r:
-                    if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
-                        final = json.loads(line[5:])
-                        if not waited:
-                            waited = True
-                            with contextlib.suppress(threading.BrokenBarrierError):
-                                started.wait()
+                for final in sse_chunks(r):  # noqa: B007 (the last chunk is the answer)
+                    if not waited:
+                        waited = True
+                        with contextlib.suppress(threading.BrokenBarrierError):
+                            started.wait()
             tokens = final["meta_info"]["completion_tokens"] if final else 0
             ended = "answered" if tokens == max_new_tokens else f"stream ended after {tokens} tokens"
             outcomes[i] = {"outcome": ended, "tokens": tokens}
