@@ -132,14 +132,6 @@ def sim_seconds(block_size: int, batch_size: int) -> float:
             + 0.0025 * max(block_size - 2, 0) * batch_size)
 
 
-def expected_tokens(rates: list[float], block_size: int) -> float:
-    expected, run = 1.0, 1.0
-    for p in rates[:block_size - 1]:
-        run *= p
-        expected += run
-    return expected
-
-
 def simulate(policy, phases: list[list[float]], batch_size: int, seed: int, steps_per_phase: int = 1500) -> float:
     """Tokens per second of `policy` (a controller, or a fixed block size) over the phases' acceptance
     rates, with this CPU's step-time noise: +-15 % lognormal jitter that persists over ~10 steps,

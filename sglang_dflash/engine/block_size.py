@@ -122,8 +122,8 @@ class BlockSizeController:
         return expected
 
     def step_seconds(self, batch_size: int, block_size: int) -> float | None:
-        """Predicted seconds of a step at (batch_size, block_size); None before that batch size
-        (or, for the first batch size, before its first sizes) was timed."""
+        """Predicted seconds of a step at (batch_size, block_size); None before a step at that
+        batch size was timed."""
         model = self._models.get(batch_size)
         return None if model is None else model.predict(block_size)
 
