@@ -111,6 +111,9 @@ def add_regenerate_parser(sub) -> None:
                                                          "where an earlier regeneration's --limit stopped)")
     r.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--teacher-topk", type=int, default=0, metavar="K",
+                   help="also keep the target's K most likely next tokens and their log-probabilities for every "
+                        "answer token, so `train --kl-weight` distils from them without running the target")
     r.add_argument("--batch-size", type=int, default=64)
     r.add_argument("--max-batch-tokens", type=int, default=None,
                    help="padded tokens per batch, rows x (longest prompt + max new tokens); fewer rows for long "
@@ -126,7 +129,7 @@ def regenerate(args: argparse.Namespace) -> int:
     target = HFTarget.from_pretrained(args.target, device=device)
     count = regenerate_dataset(target, args.data, args.out, tuple(args.target_layer_ids), args.max_new_tokens,
                                args.limit, args.temperature, args.seed, args.batch_size, args.skip,
-                               args.max_batch_tokens or MAX_BATCH_TOKENS)
+                               args.max_batch_tokens or MAX_BATCH_TOKENS, args.teacher_topk)
     print(f"wrote {count} regenerated examples to {args.out}")
     return 0
 
@@ -148,7 +151,8 @@ def add_train_parser(sub) -> None:
         ("--accumulation", int, "sequences per step (default 1)"),
         ("--num-anchors", int, "blocks per sequence (default 32)"),
         ("--gamma", float, "loss decay (default 7 for B 16, 4 for B 8)"),
-        ("--kl-weight", float, "weight of KL to the target's logits (default 0)"),
+        ("--kl-weight", float, "weight of KL(target || draft) (default 0): from the target's top-k kept by "
+                               "`regenerate --teacher-topk`, else from a target forward per sequence"),
         ("--eval-every", int, "steps between held-out tau estimates (default 100)"),
         ("--save-every", int, "steps between checkpoints (default 100)"),
         ("--seed", int, "seed of data order and anchors (default 0)"),

@@ -24,6 +24,7 @@ from sglang_dflash.train.regenerate import (
     generate_examples,
     plan_batches,
     read_feature_dataset,
+    regenerate_dataset,
     write_feature_dataset,
 )
 from sglang_dflash.train.trainer import TrainConfig, Trainer, draft_config_for
@@ -69,6 +70,27 @@ def test_batched_answers_equal_greedy_decoding_and_features_equal_a_full_forward
     assert 0 < stopped < len(prompts), "the test needs rows that stop early and rows that run to the limit"
 
 
+def test_kept_teacher_is_the_top_k_of_a_full_forward_at_each_answer_token():
+    """teacher row j: the target's top-k next-token distribution (T = 1) that answer token j was
+    chosen from, i.e. the full forward's log-softmax at the position before it."""
+    target = tiny_target(seed=4)
+    prompts = prompts_of([3, 11, 6])
+    target.set_taps(TAPS)
+    for example, prompt in zip(generate_batch(target, prompts, 20, stop_ids=[], teacher_topk=5), prompts,
+                               strict=True):
+        answer = example.input_ids[len(prompt):]
+        assert example.teacher_ids.shape == example.teacher_logprobs.shape == (len(answer), 5)
+        assert example.teacher_ids.dtype == torch.int32
+        assert example.teacher_ids[:, 0].tolist() == answer.tolist()  # greedy: the top token was chosen
+        with torch.no_grad():
+            logits = target.model(example.input_ids[None]).logits[0].float()
+        full = logits[len(prompt) - 1:-1].log_softmax(-1).topk(5, dim=-1)
+        assert torch.equal(example.teacher_ids.long(), full.indices)
+        torch.testing.assert_close(example.teacher_logprobs, full.values, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"teacher_topk must be in \[0, 96\].*got 129"):
+        regenerate_dataset(target, ["unused"], "unused", TAPS, teacher_topk=129)
+
+
 def test_sampled_answers_follow_the_seed():
     target = tiny_target(seed=4)
     prompts = prompts_of([5, 7, 4])
@@ -98,7 +120,7 @@ def test_batches_respect_rows_and_the_token_budget():
 
 def test_feature_dataset_round_trip_and_layer_check(tmp_path):
     target = tiny_target(seed=4)
-    examples = list(generate_examples(target, prompts_of([4, 9, 6, 12, 5]), TAPS, 12, batch_size=2))
+    examples = list(generate_examples(target, prompts_of([4, 9, 6, 12, 5]), TAPS, 12, batch_size=2, teacher_topk=3))
     assert write_feature_dataset(tmp_path / "ds", examples, {"layer_ids": list(TAPS)}, shard_size=2) == 5
     assert len(list((tmp_path / "ds").glob("shard_*.pt"))) == 3
     loaded = read_feature_dataset(tmp_path / "ds", TAPS)
@@ -106,6 +128,7 @@ def test_feature_dataset_round_trip_and_layer_check(tmp_path):
     for a, b in zip(examples, loaded, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
         assert torch.equal(a.features, b.features)
+        assert torch.equal(a.teacher_ids, b.teacher_ids) and torch.equal(a.teacher_logprobs, b.teacher_logprobs)
     with pytest.raises(ValueError, match=r"holds target layers \[0, 2, 3\].*--target-layer-ids 1,2"):
         read_feature_dataset(tmp_path / "ds", (1, 2))
     with pytest.raises(FileNotFoundError, match="not a feature dataset"):

@@ -40,6 +40,10 @@ class Example:
     input_ids: torch.Tensor  # int64 [L]
     loss_mask: torch.Tensor  # bool [L]: the tokens the drafter learns to predict
     features: torch.Tensor | None = None  # [L, K*H] target taps captured at generation (train/regenerate.py)
+    # The target's own next-token distribution at every trained-on token (loss_mask order), as its
+    # top-k ids and log-probabilities at T = 1, captured at generation for distillation (train/distill.py).
+    teacher_ids: torch.Tensor | None = None  # int32 [loss_mask.sum(), k]
+    teacher_logprobs: torch.Tensor | None = None  # float32 [loss_mask.sum(), k]
 
 
 def iter_records(path: str | Path) -> Iterator[dict]:

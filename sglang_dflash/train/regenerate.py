@@ -11,7 +11,8 @@ idles (its input is ignored) until the whole batch is done.
 
 On disk a feature dataset is a directory: `meta.json` (target, tapped layer ids, counts) and
 `shard_NNNNN.pt` files, each a list of {input_ids, loss_mask, features (bf16 [L, K*H]: fp16 would overflow on
-some targets' massive activations)}.
+some targets' massive activations)}, plus {teacher_ids, teacher_logprobs} when the target's top-k next-token
+distribution was kept for distillation (`teacher_topk`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ META_NAME = "meta.json"
 
 @torch.no_grad()
 def generate_batch(target: HFTarget, prompts: list[list[int]], max_new_tokens: int, stop_ids: Iterable[int],
-                   temperature: float = 0.0, generator: torch.Generator | None = None) -> list[Example]:
+                   temperature: float = 0.0, generator: torch.Generator | None = None,
+                   teacher_topk: int = 0) -> list[Example]:
     """One batch: every prompt answered by the target, up to max_new_tokens or a stop token
-    (kept). Features hold the taps set on `target` (`set_taps`) for every token, prompt included."""
+    (kept). Features hold the taps set on `target` (`set_taps`) for every token, prompt included.
+    With `teacher_topk` = k > 0 each answer token also keeps the target's k most likely tokens and
+    their log-probabilities at T = 1 (the distribution it was drawn from, before temperature)."""
     device, bs = target.device, len(prompts)
     width = max(len(p) for p in prompts)
     pad = [width - len(p) for p in prompts]
@@ -51,11 +55,13 @@ def generate_batch(target: HFTarget, prompts: list[list[int]], max_new_tokens: i
                        past_key_values=cache, cache_position=torch.arange(width, device=device),
                        use_cache=True, logits_to_keep=1)
     features = [target.take_taps()]  # [bs, width, K*H], then [bs, 1, K*H] per step
-    tokens = []
+    tokens, teacher = [], []
     finished = torch.zeros(bs, dtype=torch.bool, device=device)
     lengths = torch.full((bs,), max_new_tokens, dtype=torch.long, device=device)
     for step in range(max_new_tokens):
         logits = out.logits[:, -1].float()
+        if teacher_topk > 0:
+            teacher.append(logits.log_softmax(-1).topk(teacher_topk, dim=-1))
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             token = torch.multinomial(probs, 1, generator=generator)[:, 0]
@@ -76,6 +82,9 @@ def generate_batch(target: HFTarget, prompts: list[list[int]], max_new_tokens: i
             break
     answers = torch.stack(tokens, dim=1)
     features = torch.cat(features, dim=1)
+    if teacher:
+        teacher_logprobs = torch.stack([t.values for t in teacher], dim=1)  # [bs, steps, k]
+        teacher_ids = torch.stack([t.indices for t in teacher], dim=1).int()
     examples = []
     for row in range(bs):
         n, answer = int(lengths[row]), answers[row, : int(lengths[row])]
@@ -83,7 +92,9 @@ def generate_batch(target: HFTarget, prompts: list[list[int]], max_new_tokens: i
         examples.append(Example(
             input_ids=torch.cat([prompt, answer]).cpu(),
             loss_mask=torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(n, dtype=torch.bool)]),
-            features=features[row, pad[row]: width + n].to(torch.bfloat16).cpu()))
+            features=features[row, pad[row]: width + n].to(torch.bfloat16).cpu(),
+            teacher_ids=teacher_ids[row, :n].cpu() if teacher else None,
+            teacher_logprobs=teacher_logprobs[row, :n].cpu() if teacher else None))
     return examples
 
 
@@ -110,7 +121,7 @@ def plan_batches(lengths: list[int], batch_size: int, max_new_tokens: int,
 
 def generate_examples(target: HFTarget, prompts: list[list[int]], layer_ids: tuple[int, ...], max_new_tokens: int,
                       temperature: float = 0.0, seed: int = 0, batch_size: int = 64,
-                      max_batch_tokens: int = MAX_BATCH_TOKENS) -> Iterator[Example]:
+                      max_batch_tokens: int = MAX_BATCH_TOKENS, teacher_topk: int = 0) -> Iterator[Example]:
     """All prompts answered by the target, in batches of similar prompt length (`plan_batches`);
     yields the examples in batch order with their tapped-layer features."""
     previous_taps = target.tap_layer_ids
@@ -120,7 +131,8 @@ def generate_examples(target: HFTarget, prompts: list[list[int]], layer_ids: tup
         with tqdm(total=len(prompts), desc="regenerate", unit="answer") as bar:
             for rows in plan_batches([len(p) for p in prompts], batch_size, max_new_tokens, max_batch_tokens):
                 batch = [prompts[i] for i in rows]
-                yield from generate_batch(target, batch, max_new_tokens, target.eos_token_ids, temperature, generator)
+                yield from generate_batch(target, batch, max_new_tokens, target.eos_token_ids, temperature, generator,
+                                          teacher_topk)
                 bar.update(len(batch))
     finally:
         target.set_taps(previous_taps)
@@ -133,7 +145,10 @@ def write_feature_dataset(out: str | Path, examples: Iterable[Example], meta: di
     out.mkdir(parents=True, exist_ok=True)
     shard, shards, count = [], 0, 0
     for example in examples:
-        shard.append({"input_ids": example.input_ids, "loss_mask": example.loss_mask, "features": example.features})
+        record = {"input_ids": example.input_ids, "loss_mask": example.loss_mask, "features": example.features}
+        if example.teacher_ids is not None:
+            record.update(teacher_ids=example.teacher_ids, teacher_logprobs=example.teacher_logprobs)
+        shard.append(record)
         count += 1
         if len(shard) == shard_size:
             torch.save(shard, out / f"shard_{shards:05d}.pt")
@@ -167,15 +182,19 @@ def read_feature_dataset(path: str | Path, layer_ids: tuple[int, ...] | None = N
 def regenerate_dataset(target: HFTarget, sources: list[str], out: str | Path, layer_ids: tuple[int, ...],
                        max_new_tokens: int = 256, limit: int | None = None, temperature: float = 0.0,
                        seed: int = 0, batch_size: int = 64, skip: int = 0,
-                       max_batch_tokens: int = MAX_BATCH_TOKENS) -> int:
+                       max_batch_tokens: int = MAX_BATCH_TOKENS, teacher_topk: int = 0) -> int:
     """Prompts of every source (`limit` records each, after its first `skip`) answered by `target`
-    into the feature dataset `out`; returns the number of examples."""
+    into the feature dataset `out` (with the target's top-`teacher_topk` distribution per answer
+    token when > 0); returns the number of examples."""
+    vocab = target.model.config.vocab_size
+    if not 0 <= teacher_topk <= vocab:
+        raise ValueError(f"teacher_topk must be in [0, {vocab}] (the target's vocabulary), got {teacher_topk}")
     prompts = [p for source in sources for p in source_prompts(target, source, limit, skip)]
     examples = generate_examples(target, prompts, layer_ids, max_new_tokens, temperature, seed, batch_size,
-                                 max_batch_tokens)
+                                 max_batch_tokens, teacher_topk)
     meta = {"target": str(getattr(target.model.config, "_name_or_path", "")), "layer_ids": list(layer_ids),
             "sources": [str(s) for s in sources], "skip": skip, "limit": limit, "max_new_tokens": max_new_tokens,
-            "temperature": temperature, "seed": seed}
+            "temperature": temperature, "seed": seed, "teacher_topk": teacher_topk}
     return write_feature_dataset(out, examples, meta)
 
 

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from sglang_dflash.models import DFlashConfig, DFlashDraftModel, default_target_layer_ids, save_draft
 from sglang_dflash.train.blocks import default_gamma, pack_blocks, sample_anchors
 from sglang_dflash.train.data import Example
+from sglang_dflash.train.distill import full_kl, topk_kl
 from sglang_dflash.train.features import TargetFeatures
 from sglang_dflash.train.forward import training_hidden
 
@@ -41,7 +42,7 @@ class TrainConfig:
     accumulation: int = 1  # sequences per optimizer step (per process)
     num_anchors: int = 32
     gamma: float | None = None  # loss decay; default by block size (7 for B 16, 4 for B 8)
-    kl_weight: float = 0.0  # weight of KL(target || draft) added to the cross-entropy
+    kl_weight: float = 0.0  # weight of KL(target || draft) added to the cross-entropy (train/distill.py)
     dtype: str = "float32"  # or "bfloat16": autocast mixed precision (fast on GPUs and bf16-capable CPUs)
     eval_every: int = 100
     save_every: int = 100
@@ -146,7 +147,8 @@ class Trainer:
         ids = example.input_ids.to(device)
         packed = pack_blocks(ids, example.loss_mask.to(device), anchors.to(device), cfg.block_size,
                              self.draft.config.mask_token_id, cfg.loss_gamma)
-        if example.features is not None and cfg.kl_weight == 0:
+        kept_teacher = example.teacher_ids is not None
+        if example.features is not None and (cfg.kl_weight == 0 or kept_teacher):
             features, target_logits = example.features.to(device), None  # captured at regeneration
         else:
             features, target_logits = self.features(index, ids, with_logits=cfg.kl_weight > 0)
@@ -160,9 +162,14 @@ class Trainer:
             logits = self.draft.logits(hidden[rows], self.lm_head).float()
         weights = packed.weights[rows]
         loss = (F.cross_entropy(logits, packed.labels[rows], reduction="none") * weights).sum()
-        if target_logits is not None:
-            teacher = target_logits[packed.positions[rows] - 1].log_softmax(-1)
-            kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
+        if cfg.kl_weight > 0:
+            positions = packed.positions[rows]
+            if kept_teacher:  # rows are trained-on tokens, so each has a teacher row (loss_mask order)
+                teacher_row = (example.loss_mask.to(device).long().cumsum(0) - 1)[positions]
+                kl = topk_kl(logits, example.teacher_ids.to(device)[teacher_row],
+                             example.teacher_logprobs.to(device)[teacher_row])
+            else:
+                kl = full_kl(logits, target_logits[positions - 1])
             loss = loss + cfg.kl_weight * (kl * weights).sum()
         return loss, weights.sum(), logits.argmax(-1), packed.labels[rows], rows
 
