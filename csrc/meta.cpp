@@ -40,6 +40,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_from_ids_meta(
   return verify_results(check_verify_ids_args(candidates, target_ids), candidates);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_from_ids_meta(const at::Tensor& tokens,
+                                                                         const at::Tensor& parents,
+                                                                         const at::Tensor& depths,
+                                                                         const at::Tensor& target_ids) {
+  const auto shape = check_verify_tree_args(tokens, parents, depths, target_ids);
+  const auto opts = tokens.options();
+  return {at::empty({shape.batch}, opts.dtype(at::kInt)), at::empty({shape.batch, shape.nodes}, opts),
+          at::empty({shape.batch, shape.nodes}, opts)};
+}
+
 at::Tensor skinny_linear_meta(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias) {
   check_skinny_linear_args(x, weight, bias);
@@ -71,6 +81,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, Meta, m) {
   m.impl("block_attention", &sglang_dflash::block_attention_meta);
   m.impl("verify_block", &sglang_dflash::verify_block_meta);
   m.impl("verify_block_from_ids", &sglang_dflash::verify_block_from_ids_meta);
+  m.impl("verify_tree_from_ids", &sglang_dflash::verify_tree_from_ids_meta);
   m.impl("skinny_linear", &sglang_dflash::skinny_linear_meta);
   m.impl("gumbel_argmax", &sglang_dflash::gumbel_argmax_meta);
   m.impl("materialize_context_kv", &sglang_dflash::materialize_context_kv_meta);

@@ -18,6 +18,9 @@ TORCH_LIBRARY(sglang_dflash, m) {
   m.def(
       "verify_block_from_ids(Tensor candidates, Tensor target_ids) -> (Tensor accept_len, "
       "Tensor bonus, Tensor out_tokens)");
+  m.def(
+      "verify_tree_from_ids(Tensor tokens, Tensor parents, Tensor depths, Tensor target_ids) -> "
+      "(Tensor accept_len, Tensor path, Tensor out_tokens)");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("gumbel_argmax(Tensor scores, Tensor? ids, int seed, Tensor offsets, Tensor rows) -> Tensor");
   m.def(
@@ -30,6 +33,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
   m.impl("block_attention", &sglang_dflash::cpu::block_attention);
   m.impl("verify_block", &sglang_dflash::cpu::verify_block);
   m.impl("verify_block_from_ids", &sglang_dflash::cpu::verify_block_from_ids);
+  m.impl("verify_tree_from_ids", &sglang_dflash::cpu::verify_tree_from_ids);
   m.impl("skinny_linear", &sglang_dflash::cpu::skinny_linear);
   m.impl("gumbel_argmax", &sglang_dflash::cpu::gumbel_argmax);
   m.impl("materialize_context_kv", &sglang_dflash::cpu::materialize_context_kv);

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
     g.add_argument("--adaptive", action="store_true",
                    help="choose each step's block size (up to B) from measured acceptance and step times")
+    g.add_argument("--tree-budget", type=int, default=0, metavar="N",
+                   help="verify a tree of N drafted tokens a step instead of a chain (the drafter's --tree-topk "
+                        "best tokens at each of the B - 1 positions, grown best first; 0: a chain)")
+    g.add_argument("--tree-topk", type=int, default=4, metavar="K", help="choices per position of a tree (default 4)")
     g.add_argument("--draft-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype the draft model runs in (default bfloat16; drafts never change the output)")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -206,6 +210,12 @@ def generate(args: argparse.Namespace) -> int:
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size} (omit it for the drafter's)")
     # Checked before any model loads.
+    if args.tree_budget:
+        from sglang_dflash.engine.tree import validate_tree_options
+
+        if not args.draft:
+            raise ValueError("--tree-budget needs a drafter (--draft)")
+        validate_tree_options(args.tree_budget, args.tree_topk)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens,
                             stop_token_ids=None if args.stop_token_ids is None else tuple(args.stop_token_ids))
@@ -217,16 +227,19 @@ def generate(args: argparse.Namespace) -> int:
         block_size = args.block_size or drafter.max_block_size
     else:
         drafter, block_size = NoDrafter(), args.block_size or 1
-    results = Generator(target, drafter, block_size, adaptive=args.adaptive).generate(
+    results = Generator(target, drafter, block_size, adaptive=args.adaptive, tree_budget=args.tree_budget,
+                        tree_topk=args.tree_topk).generate(
         args.prompt + args.prompt_ids, params, chat=not args.no_chat_template)
 
     if args.json:
         print(json.dumps({
             "target": args.target, "draft": args.draft, "block_size": block_size, "adaptive": args.adaptive,
+            "tree_budget": args.tree_budget, "tree_topk": args.tree_topk if args.tree_budget else None,
             "sampling": dataclasses.asdict(params),
             "torch_threads": torch.get_num_threads(), "device": device,
             "requests": [{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "steps": r.steps,
-                          "text": r.text, "stats": r.stats.to_dict(), "block_size_decisions": r.decisions}
+                          "text": r.text, "stats": r.stats.to_dict(), "block_size_decisions": r.decisions,
+                          "tree_steps": r.trees}
                          for r in results],
         }, allow_nan=False))  # strict JSON: a NaN / Infinity would be a bug, so it raises instead
         return 0

@@ -57,6 +57,25 @@ def test_generate_json_lists_the_adaptive_block_size_decisions(tmp_path):
     assert any(len(d.get("expected_tokens", ())) == 4 and len(d["step_ms"]) == 4 for d in decisions)
 
 
+def test_generate_json_lists_the_tree_steps(tmp_path):
+    target = tiny_target("qwen3")
+    target.model.save_pretrained(tmp_path / "target")
+    save_draft(random_draft(target, block_size=6), tmp_path / "draft")
+    proc = run_cli("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--tree-budget", "9",
+                   "--tree-topk", "3", "--prompt-ids", "3,4,5,6", "--max-new-tokens", "24",
+                   "--stop-token-ids", str(STOP_TOKEN), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout, parse_constant=strict_json_constant)
+    assert (out["tree_budget"], out["tree_topk"]) == (9, 3)
+    (req,) = out["requests"]
+    assert req["output_ids"] == hf_greedy(target, [3, 4, 5, 6], 24, STOP_TOKEN)
+    trees = req["tree_steps"]
+    assert len(trees) == req["stats"]["steps"] == len(req["steps"])
+    assert all(t["nodes"] == 10 and t["path"][0] == 0 and len(t["path"]) >= len(step)
+               for t, step in zip(trees, req["steps"], strict=True))
+    assert req["stats"]["verified_tokens"] == 10 * len(trees)
+
+
 def test_generate_json_stays_strict_without_verify_steps(tmp_path):
     """One new token: no verify step, so per-step rates have nothing to divide by."""
     tiny_target("llama").model.save_pretrained(tmp_path / "target")
@@ -97,6 +116,13 @@ def test_bad_draft_path_is_one_clear_error(tmp_path):
     (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
     (["--block-size", "0"], "--block-size must be >= 1, got 0 (omit it for the drafter's)"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--tree-budget", "4"], "--tree-budget needs a drafter (--draft)"),
+    (["--draft", "/nonexistent/draft", "--tree-budget", "300"],
+     "--tree-budget must be in [1, 256] drafted nodes, got 300"),
+    (["--draft", "/nonexistent/draft", "--tree-budget", "-1"],
+     "--tree-budget must be in [1, 256] drafted nodes, got -1"),
+    (["--draft", "/nonexistent/draft", "--tree-budget", "4", "--tree-topk", "0"],
+     "--tree-topk must be in [1, 64] choices per position, got 0"),
 ])
 def test_bad_generate_flags_are_one_clear_error_before_any_model_loads(flags, message):
     # The target does not exist: a check that ran after loading would report that instead.

@@ -24,7 +24,13 @@ import torch
 
 from sglang_dflash import ops
 from sglang_dflash.ops import reference
-from sglang_dflash.ops.testing import make_attention_inputs, make_context_kv_inputs, on_device
+from sglang_dflash.ops.testing import (
+    follow_targets,
+    make_attention_inputs,
+    make_context_kv_inputs,
+    make_tree,
+    on_device,
+)
 from tests.kernel_devices import cuda_ready
 from tests.test_ops_materialize_context_kv import assert_rows_close
 
@@ -420,6 +426,68 @@ def test_verify_empty_batch():
 
 
 # ------------------------------------------------------------------------------------------------
+# verify_tree
+
+
+def _on_dev(case: dict) -> dict:
+    return {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("bs,nodes,vocab", [(1, 1, 7), (5, 40, 50), (300, 24, 1000)])  # 300: several CTAs
+def test_verify_tree_from_ids_matches_cpu(index_dtype, bs, nodes, vocab):
+    gen = torch.Generator().manual_seed(bs + nodes)
+    target = torch.randint(0, vocab, (bs, nodes), generator=gen)
+    tokens, parents, depths = make_tree(bs, nodes, vocab, gen)
+    tokens = follow_targets(tokens, parents, target, gen)
+    args = [tokens, parents.to(index_dtype), depths, target.to(index_dtype).reshape(-1)]
+    _poison_allocator()
+    gpu = [t.cpu() for t in ops.verify_tree_from_ids(*(t.to(DEV) for t in args))]
+    cpu = ops.verify_tree_from_ids(*args)
+    ref = reference.verify_tree_from_ids(tokens, parents, depths, target)
+    for a, b, r in zip(gpu, cpu, ref, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, r)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (0.7, 20, 0.9), (1.3, 0, 0.8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_tree_sampled_matches_cpu_and_reference(temperature, top_k, top_p, dtype):
+    from tests.test_ops_verify_tree import sampled_tree_case
+
+    case = sampled_tree_case(temperature, top_k, top_p, dtype, bs=4, nodes=24, vocab=5000)
+    gpu = [t.cpu() for t in ops.verify_tree(**_on_dev(case))]
+    for a, b, r in zip(gpu, ops.verify_tree(**case), reference.verify_tree(**case), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, r)
+    assert int(gpu[0].sum()) > 0  # some drafts accepted: the sampled tokens were compared
+
+
+def test_verify_tree_graph_capture():
+    """verify_tree (verify_block on the per-node view, then the walk) syncs nothing with the host: it
+    is captured, and a replay on fresh logits returns what an eager call does."""
+    from tests.test_ops_verify_tree import sampled_tree_case
+
+    static = _on_dev(sampled_tree_case(0.8, 20, 0.9, torch.float32, bs=4, nodes=16, seed=3))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.verify_tree(**static)  # warm-up, off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.verify_tree(**static)
+    static["logits"].copy_(sampled_tree_case(0.8, 20, 0.9, torch.float32, bs=4, nodes=16, seed=4)["logits"])
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, ops.verify_tree(**static), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_verify_tree_empty_batch():
+    accept_len, path, out = ops.verify_tree_from_ids(*(torch.empty(0, 3, dtype=torch.int64, device=DEV),) * 4)
+    assert accept_len.shape == (0,) and path.shape == out.shape == (0, 3)
+
+
+# ------------------------------------------------------------------------------------------------
 # materialize_context_kv
 
 
@@ -530,7 +598,7 @@ _TRAP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(not torch.ops.sglang_dflash.device_checks_trap(),
                     reason="a debug build's behaviour (SGLANG_DFLASH_DEBUG=1); this build records index errors")
-@pytest.mark.parametrize("name", ["attention_slot", "verify_candidate", "context_out_loc"])
+@pytest.mark.parametrize("name", ["attention_slot", "verify_candidate", "context_out_loc", "tree_depth"])
 def test_debug_build_traps_with_the_error_text(name):
     """Built with SGLANG_DFLASH_DEBUG=1, a bad index prints the error's text and traps (in a child
     process: the trap ends its CUDA context)."""

@@ -124,16 +124,19 @@ def target():
     ("dflash", 4, SamplingParams(temperature=1.3, top_k=0, top_p=0.9, seed=13, max_new_tokens=N_TOKENS,
                                  stop_token_ids=())),
     ("target-noise", 3, SamplingParams(temperature=1.0, seed=14, max_new_tokens=N_TOKENS, stop_token_ids=())),
+    ("dflash-tree", 4, SamplingParams(temperature=0.9, top_k=6, seed=15, max_new_tokens=N_TOKENS,
+                                      stop_token_ids=())),
 ])
 def test_sampled_first_tokens_follow_the_target(target, drafter_kind, block_size, params):
     if drafter_kind == "copy":  # proposes the target's greedy continuation: often accepted
         greedy = hf_greedy(target, PROMPT, N_TOKENS + block_size, None)
         drafter = OracleDrafter([PROMPT + greedy] * N_SAMPLES, VOCAB)
-    elif drafter_kind == "dflash":
+    elif drafter_kind.startswith("dflash"):
         drafter = DFlashDrafter(random_draft(target, block_size=4), target)
     else:
         drafter = TargetNoiseDrafter(target, [PROMPT] * N_SAMPLES)
-    results = Generator(target, drafter, block_size).generate([PROMPT] * N_SAMPLES, params)
+    tree = dict(tree_budget=8, tree_topk=4) if drafter_kind == "dflash-tree" else {}  # VOCAB 12: wide trees
+    results = Generator(target, drafter, block_size, **tree).generate([PROMPT] * N_SAMPLES, params)
     samples = [tuple(r.output_ids) for r in results]
     accepted = sum(sum(n * c for n, c in enumerate(r.stats.accept_hist)) for r in results)
     if drafter_kind == "copy":

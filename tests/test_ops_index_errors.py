@@ -55,6 +55,16 @@ def _context_kv(device, positions, out_loc):
         [torch.zeros(5, 1, 64, **dev) for _ in range(2)], [torch.zeros(5, 1, 64, **dev) for _ in range(2)])
 
 
+def _tree(device, parents, depths, dtype=torch.int64):
+    """A call of verify_tree_from_ids: two requests of 4 nodes; valid are parents [[-1, 0, 1, 0],
+    [-1, 0, -1, 1]] with depths [[0, 1, 2, 1], [0, 1, 0, 2]]."""
+    tokens = torch.tensor([[4, 5, 6, 7], [8, 9, 3, 2]], device=device)
+    return lambda: ops.verify_tree_from_ids(tokens, torch.tensor(parents, dtype=dtype, device=device),
+                                            torch.tensor(depths, device=device), tokens.roll(1, dims=1))
+
+
+_DEPTHS = [[0, 1, 2, 1], [0, 1, 0, 2]]
+
 # name: (a call with one bad index on a device, the error text on every device)
 CASES = {
     "attention_slot": (lambda d: _attention(d, table=(0, 1, 99)),
@@ -82,6 +92,22 @@ CASES = {
     "context_out_loc": (lambda d: _context_kv(d, [0, 1], [-1, 5]),
                         "sglang_dflash.materialize_context_kv: out_loc[1] = 5 is outside [-1, 5) (-1: row not "
                         "written; else a slot of the KV pools)"),
+    "tree_root": (lambda d: _tree(d, [[-1, 0, 1, 0], [2, 0, -1, 1]], _DEPTHS),
+                  "sglang_dflash.verify_tree_from_ids: parents[1, 0] = 2 must be -1 (node 0 is the root)"),
+    "tree_parent": (lambda d: _tree(d, [[-1, 0, 1, 0], [-1, 0, -1, 5]], _DEPTHS, torch.int32),
+                    "sglang_dflash.verify_tree_from_ids: parents[1, 3] = 5 is not a node before 3 (or -1)"),
+    "tree_parent_negative": (lambda d: _tree(d, [[-1, 0, -2, 0], [-1, 0, -1, 1]], _DEPTHS),
+                             "sglang_dflash.verify_tree_from_ids: parents[0, 2] = -2 is not a node before 2 (or -1)"),
+    "tree_orphan": (lambda d: _tree(d, [[-1, 0, 1, 0], [-1, 0, -1, 2]], [[0, 1, 2, 1], [0, 1, 0, 1]]),
+                    "sglang_dflash.verify_tree_from_ids: parents[1, 3] = 2 is an unused node (its own parent is -1)"),
+    "tree_depth": (lambda d: _tree(d, [[-1, 0, 1, 0], [-1, 0, -1, 1]], [[0, 1, 3, 1], [0, 1, 0, 2]]),
+                   "sglang_dflash.verify_tree_from_ids: depths[0, 2] = 3 is not its parent's depth + 1 = 2"),
+    "tree_unused_depth": (lambda d: _tree(d, [[-1, 0, 1, 0], [-1, 0, -1, 1]], [[0, 1, 2, 1], [0, 1, 4, 2]]),
+                          "sglang_dflash.verify_tree_from_ids: depths[1, 2] = 4 must be 0 (the root's and the unused "
+                          "nodes' depth)"),
+    "tree_root_depth": (lambda d: _tree(d, [[-1, 0, 1, 0], [-1, 0, -1, 1]], [[0, 1, 2, 1], [1, 2, 0, 3]]),
+                        "sglang_dflash.verify_tree_from_ids: depths[1, 0] = 1 must be 0 (the root's and the unused "
+                        "nodes' depth)"),
 }
 
 

@@ -19,6 +19,7 @@ LOGGER = "sglang_dflash.ops.self_test"
 CASES = {
     "verify_block": [torch.float32, torch.bfloat16],
     "verify_block_from_ids": [torch.int64, torch.int32],
+    "verify_tree_from_ids": [torch.int64, torch.int32],
     "gumbel_argmax": [torch.float32],
     "block_attention": [Attention(4, 2, 64, torch.float32, 16), Attention(9, 3, 64, torch.bfloat16, 4, 8, True),
                         Attention(8, 8, 128, torch.float16, 1)],

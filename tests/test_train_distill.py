@@ -66,7 +66,8 @@ def test_the_trainer_distils_from_the_kept_top_k_without_running_the_target():
     are drawn per example index, so every call of one example trains the same blocks.)"""
     target = tiny_target(seed=4)
     taps, vocab = (0, 2, 3), target.vocab_size
-    prompts = [torch.randint(8, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 9, 7, 5, 8, 4)]
+    prompts = [torch.randint(8, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (6, 9, 7, 5, 8, 4)]
     kept = list(generate_examples(target, prompts, taps, 30, temperature=1.0, seed=3, batch_size=3,
                                   teacher_topk=vocab))
     assert all(e.teacher_ids.shape == (int(e.loss_mask.sum()), vocab) for e in kept)

@@ -21,6 +21,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_from_ids(const at::Tensor& candidates,
                                                                      const at::Tensor& target_ids);
 
+// The walk of each request's draft tree along the target's token ids (DESIGN.md 3.3; the contract
+// is in sglang_dflash/ops/__init__.py): accept_len i32 [bs], path i64 [bs, N], out_tokens i64 [bs, N].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_from_ids(const at::Tensor& tokens,
+                                                                    const at::Tensor& parents,
+                                                                    const at::Tensor& depths,
+                                                                    const at::Tensor& target_ids);
+
 // out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation, for few rows.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias);

@@ -2,8 +2,8 @@
 numbers the demo prints and the end-to-end benchmark records.
 
 Each prompt runs alone (batch size 1): plain decoding once and speculative decoding at every
-block size (fixed, and adaptive up to a maximum), one after the other, so all see the same machine
-state; which of them goes first rotates from prompt to prompt. Speed is
+block size (fixed, adaptive up to a maximum, and trees of given budgets), one after the other, so
+all see the same machine state; which of them goes first rotates from prompt to prompt. Speed is
 decode tokens per second (prefill excluded: it is the same work in both).
 """
 
@@ -33,6 +33,8 @@ class Comparison:
     spec: list[GenerationResult]
     plain: list[GenerationResult]
     adaptive: bool = False
+    tree_budget: int = 0  # > 0: trees of this many drafted nodes, at most block_size - 1 deep
+    tree_topk: int = 0
 
     def summary(self) -> dict:
         """tau (token-weighted: committed tokens over verify steps; and the mean over prompts),
@@ -45,6 +47,7 @@ class Comparison:
         spec_rate, plain_rate = decode_rate(self.spec), decode_rate(self.plain)
         return dict(
             block_size=self.block_size, adaptive=self.adaptive, temperature=self.params.temperature,
+            tree_budget=self.tree_budget, tree_topk=self.tree_topk,
             samples=len(self.spec),
             mean_block_size=sum(r.stats.verified_tokens for r in self.spec) / max(steps, 1),
             tau_token_weighted=tokens / max(steps, 1),
@@ -58,13 +61,20 @@ class Comparison:
 
 
 def compare(target, drafter, prompts: list, block_sizes: list[int], params: SamplingParams,
-            chat: bool = True, progress=None, adaptive_block_sizes: list[int] = ()) -> list[Comparison]:
+            chat: bool = True, progress=None, adaptive_block_sizes: list[int] = (),
+            tree_budgets: list[int] = (), tree_topk: int = 4, tree_block_size: int | None = None
+            ) -> list[Comparison]:
     """Plain and speculative decoding of every prompt; one Comparison per fixed block size, then
     one per adaptive maximum (each adaptive generator carries what it learns from prompt to
-    prompt, as a server would). `progress` (optional) is called once per prompt."""
+    prompt, as a server would), then one per tree budget (trees of `tree_topk` choices a position,
+    at most tree_block_size - 1 deep, default the drafter's block size). `progress` (optional) is
+    called once per prompt."""
     plain_gen = Generator(target, NoDrafter(), 1)
-    configs = [(b, False) for b in block_sizes] + [(b, True) for b in adaptive_block_sizes]
-    generators = [Generator(target, drafter, b, adaptive=a) for b, a in configs]
+    tree_b = tree_block_size or getattr(drafter, "max_block_size", None) or 1
+    configs = ([(b, False, 0) for b in block_sizes] + [(b, True, 0) for b in adaptive_block_sizes]
+               + [(tree_b, False, n) for n in tree_budgets])
+    generators = [Generator(target, drafter, b, adaptive=a, tree_budget=n, tree_topk=tree_topk)
+                  for b, a, n in configs]
     plain: list[GenerationResult] = []
     spec: list[list[GenerationResult]] = [[] for _ in configs]
     runs = [(plain, plain_gen)] + list(zip(spec, generators, strict=True))
@@ -75,4 +85,5 @@ def compare(target, drafter, prompts: list, block_sizes: list[int], params: Samp
             results += generator.generate([prompt], params, chat=chat)
         if progress:
             progress()
-    return [Comparison(b, params, results, plain, adaptive=a) for (b, a), results in zip(configs, spec, strict=True)]
+    return [Comparison(b, params, results, plain, adaptive=a, tree_budget=n, tree_topk=tree_topk if n else 0)
+            for (b, a, n), results in zip(configs, spec, strict=True)]

@@ -60,15 +60,25 @@ class DFlashDrafter:
         self._pending.clear()
         self.model.append_context(list(self._rows.values()), [t.shape[0] for t in taps], torch.cat(taps))
 
-    def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int,
-                sampling: DraftSampling | None = None) -> torch.Tensor:
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids a draft may take (the draft vocabulary, else the target's)."""
+        return self.lm_head_weight.shape[0]
+
+    def _draft_logits(self, reqs: list[int], anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+        """One draft forward of [anchor, MASK x (block_size - 1)] per request: logits of block
+        positions 1.. [bs, block_size - 1, draft vocabulary]."""
         self.append_pending()
         rows = torch.tensor([self._rows[r] for r in reqs], device=anchors.device)
         block = torch.full((len(reqs), block_size), self.model.config.mask_token_id, device=anchors.device)
         block[:, 0] = anchors
         hidden = self.model(self.target.embed(block).reshape(-1, self.target.hidden_size), rows, block_size)
         hidden = hidden.view(len(reqs), block_size, -1)[:, 1:]
-        logits = self.model.logits(hidden, self.lm_head_weight)
+        return self.model.logits(hidden, self.lm_head_weight)
+
+    def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int,
+                sampling: DraftSampling | None = None) -> torch.Tensor:
+        logits = self._draft_logits(reqs, anchors, block_size)
         if sampling is None or sampling.temperature <= 0:
             # max(-1).indices: torch's CPU argmax over bf16 rows is ~3x slower (0.1 ms a step).
             drafts = logits.max(-1).indices
@@ -83,6 +93,33 @@ class DFlashDrafter:
             drafts = gumbel_argmax(scores, self.vocab, sampling.seed, sampling.offsets.repeat_interleave(k),
                                    verify_rows).view(bs, k)
         return drafts if self.vocab is None else self.vocab[drafts]
+
+    def propose_candidates(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, depth: int, topk: int,
+                           sampling: DraftSampling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per block position 1..depth, the drafter's `topk` best tokens (target ids) and their
+        log-probabilities, best first: int64 [bs, depth, topk], float [bs, depth, topk] (the input
+        of `tree.build_trees`). Greedy: the most likely tokens. Sampled: ranked with the noise the
+        verify samples position d with (as `propose` picks its drafts), so choice 0 is the chain's
+        draft; a choice's score is its draft log-probability at the temperature, capped by the
+        choice before it so that scores never increase along the choices."""
+        logits = self._draft_logits(reqs, anchors, depth + 1).float()
+        if sampling is None or sampling.temperature <= 0:
+            scores, picks = logits.log_softmax(-1).topk(topk, dim=-1)
+        else:
+            bs = logits.shape[0]
+            scaled = logits.reshape(bs * depth, -1) / sampling.temperature
+            verify_rows = torch.arange(depth, device=logits.device).repeat(bs)
+            offsets = sampling.offsets.repeat_interleave(depth)
+            ranked = []
+            for _ in range(topk):  # the next best under the noise, the ones before it masked out
+                pick = gumbel_argmax(scaled, self.vocab, sampling.seed, offsets, verify_rows)
+                ranked.append(pick)
+                scaled = scaled.scatter(1, pick[:, None], float("-inf"))
+            picks = torch.stack(ranked, dim=1)
+            logprobs = (logits.reshape(bs * depth, -1) / sampling.temperature).log_softmax(-1)
+            scores = logprobs.gather(1, picks).cummin(dim=1).values
+            picks, scores = picks.view(bs, depth, topk), scores.view(bs, depth, topk)
+        return (picks if self.vocab is None else self.vocab[picks]), scores
 
     def commit(self, reqs: list[int], counts: list[int], taps: torch.Tensor) -> None:
         # Deferred to the next propose: a run of plain (block size 1) steps then costs one context

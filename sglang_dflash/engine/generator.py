@@ -6,7 +6,10 @@ row (argmax at temperature 0, else the Gumbel-max sample) and accepts the longes
 prefix plus one bonus token. At temperature > 0 the drafter gets the noise keys of the coming
 verify (`DraftSampling`), so it can draft with the noise the target will sample with. Requests
 finish independently (stop token or max_new_tokens). With `adaptive=True`, B is a maximum and each
-step's block size is chosen by a `BlockSizeController` (block_size.py).
+step's block size is chosen by a `BlockSizeController` (block_size.py). With a `tree_budget`, each
+step verifies a tree of drafts instead of a chain (tree.py): the drafter's `tree_topk` best tokens
+at each of the B - 1 positions, grown best first to `tree_budget` nodes, all checked in one target
+pass by `verify_tree`, which commits the longest path the target agrees with.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 from sglang_dflash.engine.block_size import BlockSizeController
 from sglang_dflash.engine.drafters import DraftSampling
 from sglang_dflash.engine.target import HFTarget
-from sglang_dflash.ops import check_device_errors, verify_block
+from sglang_dflash.engine.tree import build_trees, path_rows, validate_tree_options
+from sglang_dflash.ops import check_device_errors, verify_block, verify_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,9 @@ class GenerationResult:
     # With an adaptive block size, one entry per verify step: the block size and why the controller
     # chose it (its expected tokens and step times per size, block_size.py).
     decisions: list[dict] = dataclasses.field(default_factory=list)
+    # With a tree budget, one entry per verify step: the tree's nodes and the accepted path (node
+    # indices, root first).
+    trees: list[dict] = dataclasses.field(default_factory=list)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
@@ -117,13 +124,25 @@ def request_keys(prompts: list[list[int]], seed: int, seeds: list[int] | None = 
 
 class Generator:
     """`block_size`: the block of every step, or with `adaptive` the largest one a step may use.
-    An adaptive generator keeps what it learned about step times and acceptance across calls."""
+    An adaptive generator keeps what it learned about step times and acceptance across calls.
+    `tree_budget` > 0: verify trees of that many drafted nodes, `tree_topk` choices per position,
+    at most block_size - 1 deep (tree.py), instead of chains."""
 
-    def __init__(self, target: HFTarget, drafter, block_size: int, adaptive: bool = False):
+    def __init__(self, target: HFTarget, drafter, block_size: int, adaptive: bool = False,
+                 tree_budget: int = 0, tree_topk: int = 4):
         max_b = getattr(drafter, "max_block_size", None)
         if block_size < 1 or (max_b is not None and block_size > max_b):
             raise ValueError(f"block_size must be in [1, {max_b or 'inf'}] for this drafter, got {block_size}")
+        if tree_budget:
+            if not hasattr(drafter, "propose_candidates"):
+                raise ValueError("a tree budget needs a DFlash drafter (this drafter proposes no candidates)")
+            if adaptive:
+                raise ValueError("a tree budget and an adaptive block size cannot be combined yet")
+            if block_size < 2:
+                raise ValueError(f"a tree needs block_size >= 2 (its depth is block_size - 1), got {block_size}")
+            validate_tree_options(tree_budget, tree_topk, drafter.vocab_size)
         self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.tree_budget, self.tree_topk = tree_budget, tree_topk
         self.controller = BlockSizeController(block_size) if adaptive else None
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams = SamplingParams(),
@@ -163,14 +182,13 @@ class Generator:
             return torch.tensor([(keys[r] << 32) | len(results[r].output_ids) for r in reqs], dtype=torch.int64,
                                 device=dev)
 
+        def sampling_args(bs):
+            return (torch.full((bs,), params.temperature, dtype=torch.float32, device=dev),
+                    torch.full((bs,), params.top_k, dtype=torch.int32, device=dev),
+                    torch.full((bs,), params.top_p, dtype=torch.float32, device=dev), params.seed)
+
         def sample(candidates, logits, reqs, offsets):
-            bs = len(reqs)
-            return verify_block(
-                candidates, logits,
-                torch.full((bs,), params.temperature, dtype=torch.float32, device=dev),
-                torch.full((bs,), params.top_k, dtype=torch.int32, device=dev),
-                torch.full((bs,), params.top_p, dtype=torch.float32, device=dev),
-                params.seed, offsets)
+            return verify_block(candidates, logits, *sampling_args(len(reqs)), offsets)
 
         t_start = time.perf_counter()
         last_logits, taps = target.prefill(prompts)
@@ -200,35 +218,53 @@ class Generator:
                 block = self.controller.choose(len(active))
                 for r in active:
                     results[r].decisions.append(self.controller.last_decision)
-            candidates = anchors[:, None]
             deferred_s = 0.0
-            if block > 1:
+            if block > 1 or self.tree_budget:
                 # The context appends the drafter deferred through plain steps: their cost belongs
                 # to those steps' tokens, not to this block size (else plain steps look cheaper
                 # than they are and every draft step after them dearer).
                 t_append = time.perf_counter()
                 drafter.append_pending()
                 deferred_s = time.perf_counter() - t_append
-                sampling = DraftSampling(params.temperature, params.seed, offsets) if params.temperature > 0 else None
-                candidates = torch.cat([candidates, drafter.propose(active, anchors, start_t, block, sampling)], dim=1)
-            t1 = time.perf_counter()
-            positions = start_t[:, None] + torch.arange(block, device=dev)
-            logits, step_taps = target.verify(candidates, positions)
-            accept_len, _, out_tokens = sample(candidates, logits, active, offsets)
-            accept_len, out_tokens = accept_len.tolist(), out_tokens.tolist()
+            sampling = DraftSampling(params.temperature, params.seed, offsets) if params.temperature > 0 else None
+            if self.tree_budget:
+                choices = drafter.propose_candidates(active, anchors, start_t, B - 1, self.tree_topk, sampling)
+                trees = build_trees(anchors, *choices, [self.tree_budget] * len(active))
+                t1 = time.perf_counter()
+                logits, step_taps = target.verify_tree(trees.tokens, start_t[:, None] + trees.depths, trees.ancestors())
+                accept_len_t, path, out_tokens = verify_tree(trees.tokens, trees.parents, trees.depths, logits,
+                                                             *sampling_args(len(active)), offsets)
+                block = trees.tokens.shape[1]  # rows verified
+            else:
+                candidates = anchors[:, None]
+                if block > 1:
+                    candidates = torch.cat([candidates, drafter.propose(active, anchors, start_t, block, sampling)],
+                                           dim=1)
+                t1 = time.perf_counter()
+                logits, step_taps = target.verify(candidates, start_t[:, None] + torch.arange(block, device=dev))
+                accept_len_t, _, out_tokens = sample(candidates, logits, active, offsets)
+            accept_len, out_tokens = accept_len_t.tolist(), out_tokens.tolist()
             check_device_errors(dev)  # a bad index a CUDA kernel met this step (the sync is done)
 
             still, keep_rows = [], []
             for b, r in enumerate(active):
                 a = accept_len[b]
+                if self.tree_budget:
+                    results[r].trees.append({"nodes": trees.sizes[b], "path": path[b, :a + 1].tolist()})
                 results[r].stats.accept_hist[a] += 1
                 starts[r] += a + 1
                 if self._commit(results[r], out_tokens[b][:a + 1], params.max_new_tokens, stop):
                     still.append(r)
                     keep_rows.append(b)
             if still:
-                keep = torch.tensor([a + 1 for a in accept_len], device=dev)
-                target.commit(keep, None if len(still) == len(active) else torch.tensor(keep_rows, device=dev))
+                rows = None if len(still) == len(active) else torch.tensor(keep_rows, device=dev)
+                if self.tree_budget:
+                    target.commit_nodes(path, accept_len_t, rows)
+                    # The drafter's context continues along the committed path only.
+                    nodes = path_rows(path, accept_len_t)
+                    step_taps = step_taps.gather(1, nodes[:, :, None].expand(-1, -1, step_taps.shape[2]))
+                else:
+                    target.commit(torch.tensor([a + 1 for a in accept_len], device=dev), rows)
             t2 = time.perf_counter()
             if still:
                 drafter.commit(still, [accept_len[b] + 1 for b in keep_rows],

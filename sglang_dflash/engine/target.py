@@ -162,6 +162,55 @@ class HFTarget:
         self._valid, self._block = mask, block
         return out.logits.reshape(bs * block, -1), self.take_taps()
 
+    @torch.no_grad()
+    def verify_tree(self, tokens: torch.Tensor, positions: torch.Tensor,
+                    ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append the N nodes of a draft tree per row, tokens and absolute positions [bs, N]: node i
+        attends to the row's cache and to the nodes j with ancestors[b, i, j] (itself and its
+        ancestors, `DraftTrees.ancestors`). Returns logits [bs*N, V] and taps [bs, N, K*H] (or
+        None). Call `commit_nodes` next."""
+        bs, n = tokens.shape
+        width = self._valid.shape[1]
+        mask = torch.cat([self._valid[:, None, None, :].expand(bs, 1, n, width), ancestors[:, None]], dim=-1)
+        out = self._forward(tokens, positions, mask, self._cache)  # a 4-D mask is used as given
+        self._valid, self._block = torch.cat([self._valid, self._valid.new_ones(bs, n)], dim=1), n
+        return out.logits.reshape(bs * n, -1), self.take_taps()
+
+    def commit_nodes(self, path: torch.Tensor, accept_len: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Keep, of the last verified tree, the nodes path[b, :accept_len[b] + 1] of row b (the root and
+        the accepted nodes, in increasing node order) as consecutive columns; then keep only the
+        batch rows `rows` (all when None), as `commit` does."""
+        width, n = self._valid.shape[1], self._block
+        counts = accept_len.to(self._valid.device).long() + 1
+        if rows is None and bool((counts == counts[0]).all()):
+            # The same number of nodes kept in every row (always so at batch size 1): move them
+            # to the front of the block in place and cut the rest off, no copy of the cache.
+            kept = int(counts[0])
+            nodes = path[:, :kept].to(self._valid.device).long()
+            for layer in self._cache.layers:
+                for name in ("keys", "values"):
+                    cache = getattr(layer, name)
+                    block = cache[:, :, width - n:]
+                    index = nodes[:, None, :, None].expand(-1, block.shape[1], -1, block.shape[3])
+                    block[:, :, :kept] = block.gather(2, index)
+                    setattr(layer, name, cache[:, :, :width - n + kept])
+            self._valid = self._valid[:, :width - n + kept]
+            return
+        valid = self._valid.clone()
+        valid[:, width - n:] = self._keep_mask(path, counts, n)
+        if rows is not None:
+            valid = valid[rows]
+        self._compact(valid, rows)
+
+    @staticmethod
+    def _keep_mask(path: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
+        """bool [bs, n]: node j of row b is among path[b, :counts[b]]."""
+        on_path = torch.arange(path.shape[1], device=counts.device)[None] < counts[:, None]
+        nodes = torch.where(on_path, path.to(counts.device).long(), n)  # n: a column past the block
+        keep = torch.zeros(path.shape[0], n + 1, dtype=torch.bool, device=counts.device)
+        keep.scatter_(1, nodes, True)
+        return keep[:, :n]
+
     def commit(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Keep the first keep[b] tokens of the last verified block in row b (rolling back the
         rest), then keep only the batch rows `rows` (all when None) and re-align the cache."""

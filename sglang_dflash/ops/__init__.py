@@ -31,6 +31,8 @@ __all__ = [
     "use_reference",
     "verify_block",
     "verify_block_from_ids",
+    "verify_tree",
+    "verify_tree_from_ids",
 ]
 
 _REFERENCE_ON: set[tuple[str, torch.device]] = set()  # (op, device) pairs that run the reference
@@ -137,6 +139,80 @@ def verify_block_from_ids(
     target_ids int [bs, B] or [bs * B]: the target's token after each candidate.
     """
     return _impl("verify_block_from_ids", candidates.device)(candidates, target_ids)
+
+
+def verify_tree_from_ids(
+    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, target_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verify a draft tree per request against the target's token after each node (DESIGN.md 3.3).
+
+    tokens int64 [bs, N]: node 0 is the root (the last committed token), nodes 1.. the drafts.
+    parents int32/int64 [bs, N]: parents[b, 0] = -1; for i >= 1 a node before i, or -1 for an
+    unused (padding) node, whose children must be unused too. depths int64 [bs, N]: 0 for the root
+    and unused nodes, else the parent's depth + 1. target_ids int32/int64 [bs, N] or [bs * N]: the
+    target's token after the path root..node. From the root, the walk moves to the lowest-index
+    child whose token is the target's token after the current node, until none is; that token is
+    then the bonus. Returns accept_len int32 [bs] (accepted nodes), path int64 [bs, N] (0, the
+    accepted nodes, then -1) and out_tokens int64 [bs, N] (the accepted tokens, the bonus, then -1):
+    the bonus is out_tokens[b, accept_len[b]]. A tree that breaks the rules raises a ValueError
+    naming the element (on CUDA: `check_device_errors()`, and the outputs are not valid).
+    """
+    return _impl("verify_tree_from_ids", tokens.device)(tokens, parents, depths, target_ids)
+
+
+def verify_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: int,
+    offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`verify_tree_from_ids` with the target's tokens sampled from its logits, losslessly.
+
+    logits [bs * N, V]: row b*N + i is the target's prediction after the path root..node i of
+    request b (one forward over the nodes with a tree mask). Node i's token is sampled as
+    `verify_block` samples a chain row, keyed by the node's depth: noise key offsets[b] +
+    depths[b, i], greedy (argmax, lowest id on ties) where temperature <= 0. The token after a node
+    of depth d is the step's output token d in any tree (as after row d of a block), so every path
+    draws the samples plain decoding draws at its positions and seeded output does not depend on the
+    tree. Every token, padding included, must be a vocabulary id (verify_block checks them, as
+    candidates[b*N + i, 0]).
+    """
+    _check_tree_shapes(tokens, parents, depths, logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                       offsets=offsets)
+    n = tokens.shape[1]
+    # Each node as a one-row block: its bonus is the target's token after the node.
+    _, node_targets, _ = verify_block(
+        tokens.reshape(-1, 1), logits, temperature.repeat_interleave(n), top_k.repeat_interleave(n),
+        top_p.repeat_interleave(n), seed, offsets.repeat_interleave(n) + depths.reshape(-1),
+    )
+    return verify_tree_from_ids(tokens, parents, depths, node_targets)
+
+
+def _check_tree_shapes(tokens, parents, depths, logits, **per_request) -> None:
+    """What verify_tree's per-node view would otherwise misname: [bs, N] trees (int64 tokens and
+    depths), logits of bs * N rows, [bs] sampling arguments."""
+    def fail(what):
+        raise ValueError(f"sglang_dflash.verify_tree: {what}")
+
+    if tokens.dim() != 2:
+        fail(f"tokens must be 2-D [bs, N], got shape {list(tokens.shape)}")
+    bs, n = tokens.shape
+    for name, t in (("parents", parents), ("depths", depths)):
+        if t.shape != tokens.shape:
+            fail(f"{name} must have tokens' shape [bs, N] = {list(tokens.shape)}, got shape {list(t.shape)}")
+    for name, t in (("tokens", tokens), ("depths", depths)):
+        if t.dtype != torch.int64:
+            fail(f"{name} must be torch.int64, got {t.dtype}")
+    if logits.dim() != 2 or logits.shape[0] != bs * n:
+        fail(f"logits must be [bs * N, V] with bs, N = {bs}, {n} from tokens, got shape {list(logits.shape)}")
+    for name, t in per_request.items():
+        if t.shape != (bs,):
+            fail(f"{name} must be [bs] with bs = {bs} from tokens, got shape {list(t.shape)}")
 
 
 def gumbel_argmax(scores: torch.Tensor, ids: torch.Tensor | None, seed: int, offsets: torch.Tensor,

@@ -175,6 +175,49 @@ def verify_block(
     return verify_block_from_ids(candidates, y)
 
 
+def verify_tree_from_ids(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                         target_ids: torch.Tensor):
+    """Walk each request's draft tree from the root (node 0): while some child of the current node
+    holds the target's token after it, move to the lowest-index such child; the target's token
+    after the last node reached is the bonus. depths are not read (they key verify_tree's noise).
+
+    Returns (accept_len int32 [bs], path int64 [bs, N], out_tokens int64 [bs, N]): path holds 0,
+    the accepted nodes, then -1; out_tokens the accepted tokens, the bonus, then -1.
+    """
+    bs, n = tokens.shape
+    tok, par = tokens.tolist(), parents.tolist()
+    target = target_ids.reshape(bs, n).tolist()
+    accept_len = torch.zeros(bs, dtype=torch.int32)
+    path = torch.full((bs, n), -1, dtype=torch.int64)
+    out_tokens = torch.full((bs, n), -1, dtype=torch.int64)
+    for b in range(bs):
+        cur, accepted = 0, 0
+        path[b, 0] = 0
+        while True:
+            t = target[b][cur]
+            out_tokens[b, accepted] = t
+            children = [c for c in range(cur + 1, n) if par[b][c] == cur and tok[b][c] == t]
+            if not children:
+                break
+            cur = children[0]
+            accepted += 1
+            path[b, accepted] = cur
+        accept_len[b] = accepted
+    device = tokens.device
+    return accept_len.to(device), path.to(device), out_tokens.to(device)
+
+
+def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, logits: torch.Tensor,
+                temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seed: int,
+                offsets: torch.Tensor):
+    """The target's token after every node, sampled as `target_samples` samples a chain row at the
+    node's depth (noise key offsets[b] + depths[b, i]), then the walk of `verify_tree_from_ids`."""
+    bs, n = tokens.shape
+    y = target_samples(logits, temperature.repeat_interleave(n), top_k.repeat_interleave(n),
+                       top_p.repeat_interleave(n), seed, offsets.repeat_interleave(n) + depths.reshape(-1), 1)
+    return verify_tree_from_ids(tokens, parents, depths, y.reshape(bs, n))
+
+
 def gumbel_argmax(scores: torch.Tensor, ids: torch.Tensor | None, seed: int, offsets: torch.Tensor,
                   rows: torch.Tensor) -> torch.Tensor:
     """Per row r, the column j maximizing scores[r, j] + gumbel_noise(seed, offsets[r], rows[r])

@@ -9,8 +9,8 @@ gets one warning naming it and the device, and from then on runs the reference i
 `sglang_dflash.ops` on that device; the caller routes it to its own fallback where it has a better
 one (SGLang's path in the server). With SGLANG_DFLASH_STRICT=1 a failure raises SelfTestError.
 
-Exact ops (verify, gumbel_argmax) must agree bit for bit; block_attention and
-materialize_context_kv within the per-dtype tolerances of tests/test_ops_*.py, skinny_linear
+Exact ops (verify, verify_tree_from_ids, gumbel_argmax) must agree bit for bit; block_attention
+and materialize_context_kv within the per-dtype tolerances of tests/test_ops_*.py, skinny_linear
 within its rounding bound (tests/test_ops_skinny_linear.py); on CUDA no index check may fire on
 these valid inputs (`ops.check_device_errors`). Inputs are small (well under a second
 on a GPU, a few tens of milliseconds on a CPU) and each result is kept for the process's lifetime.
@@ -28,8 +28,10 @@ import torch
 from sglang_dflash import _extension, ops
 from sglang_dflash.ops import reference
 from sglang_dflash.ops.testing import (
+    follow_targets,
     make_attention_inputs,
     make_context_kv_inputs,
+    make_tree,
     on_device,
     skinny_linear_error_ratio,
 )
@@ -137,6 +139,18 @@ def _verify_block_from_ids(device: torch.device, ids_dtype: torch.dtype) -> str 
     return _exact(_kernel("verify_block_from_ids")(candidates.to(device), ids), want)
 
 
+def _verify_tree_from_ids(device: torch.device, index_dtype: torch.dtype) -> str | None:
+    """Padded trees with repeated tokens across branches, drafts that often follow the target."""
+    gen = torch.Generator().manual_seed(5)
+    bs, nodes, vocab = 5, 24, 40
+    target = torch.randint(0, vocab, (bs, nodes), generator=gen)
+    tokens, parents, depths = make_tree(bs, nodes, vocab, gen)
+    tokens = follow_targets(tokens, parents, target, gen)
+    want = reference.verify_tree_from_ids(tokens, parents, depths, target)
+    args = [tokens, parents.to(index_dtype), depths, target.to(index_dtype).reshape(-1)]
+    return _exact(_kernel("verify_tree_from_ids")(*(t.to(device) for t in args)), want)
+
+
 def _gumbel_argmax(device: torch.device, dtype: torch.dtype) -> str | None:
     gen = torch.Generator().manual_seed(2)
     rows, n, seed = 6, 1000, 77
@@ -206,6 +220,7 @@ def _skinny_linear(device: torch.device, dtype: torch.dtype) -> str | None:
 CHECKS: dict[str, Callable[[torch.device, Any], str | None]] = {
     "verify_block": _verify_block,  # cases: logits dtypes
     "verify_block_from_ids": _verify_block_from_ids,  # cases: id dtypes
+    "verify_tree_from_ids": _verify_tree_from_ids,  # cases: parents / id dtypes
     "gumbel_argmax": _gumbel_argmax,  # cases: score dtypes
     "block_attention": _block_attention,  # cases: Attention
     "materialize_context_kv": _materialize_context_kv,  # cases: ContextKV

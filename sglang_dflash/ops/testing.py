@@ -137,3 +137,41 @@ def make_context_kv_inputs(n, hidden, layers, kv_heads, head_dim, rotary_dim, dt
         v_caches=[pool() for _ in range(layers)],
         v_scale=0.5 + torch.rand((), generator=gen).item(),
     )
+
+
+def make_tree(bs, nodes, vocab, gen, unused=0.15):
+    """Random draft trees in verify_tree_from_ids' layout: (tokens, parents, depths), int64 [bs, N].
+
+    Each request has a random budget of nodes (the rest is padding: parent -1, depth 0) and, within
+    it, a fraction `unused` of padding nodes too. A used node hangs under the previous used node
+    half of the time (deep chains), else under a random earlier used one (branches). A third of
+    the tokens repeat an earlier node's, across branches too, so a walk that took a node of another
+    parent, or not the lowest-index child, would go elsewhere.
+    """
+    def pick(n):
+        return int(torch.randint(0, n, (), generator=gen))
+
+    parents = torch.full((bs, nodes), -1, dtype=torch.int64)
+    depths = torch.zeros(bs, nodes, dtype=torch.int64)
+    tokens = torch.randint(0, vocab, (bs, nodes), generator=gen)
+    for b in range(bs):
+        used = [0]
+        budget = 1 + pick(nodes)
+        for i in range(1, budget):
+            if torch.rand((), generator=gen) < unused:
+                continue
+            p = used[-1] if torch.rand((), generator=gen) < 0.5 else used[pick(len(used))]
+            parents[b, i], depths[b, i] = p, depths[b, p] + 1
+            if torch.rand((), generator=gen) < 1 / 3:
+                tokens[b, i] = tokens[b, used[pick(len(used))]]
+            used.append(i)
+    return tokens, parents, depths
+
+
+def follow_targets(tokens, parents, target, gen, follow=0.7):
+    """tokens with each used node's token replaced, with probability `follow`, by the target's token
+    after its parent (target [bs, N]): the draft guessed right, so walks go deep."""
+    tokens = tokens.clone()
+    hit = (parents >= 0) & (torch.rand(tokens.shape, generator=gen) < follow)
+    tokens[hit] = target.gather(1, parents.clamp(min=0))[hit]
+    return tokens

@@ -44,6 +44,19 @@ VerifyShape check_verify_ids_args(const at::Tensor& candidates, const at::Tensor
 // Value ranges of verify: candidates in [0, V) (when V > 0). CPU tensors only.
 void check_verify_values(const at::Tensor& candidates, int64_t vocab);
 
+struct TreeShape {
+  int64_t batch;  // bs
+  int64_t nodes;  // N
+};
+
+// verify_tree_from_ids: tokens [bs, N] int64 (N >= 1: the root), parents [bs, N] int32 or int64,
+// depths [bs, N] int64, target_ids [bs, N] or [bs * N] int32 or int64, on one device.
+TreeShape check_verify_tree_args(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depths,
+                                 const at::Tensor& target_ids);
+
+// The tree rules of every node (accept.h, check_tree_node). Reads the tensors, so CPU tensors only.
+void check_verify_tree_values(const at::Tensor& parents, const at::Tensor& depths);
+
 struct GumbelArgmaxShape {
   int64_t rows, cols;
 };

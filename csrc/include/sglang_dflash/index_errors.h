@@ -30,7 +30,18 @@ namespace sglang_dflash {
     "positions[%lld] = %lld is outside the rows [0, %lld) of cos_sin_cache", e.i, e.value, e.bound) \
   X(kContextOutLoc, "materialize_context_kv",                                                     \
     "out_loc[%lld] = %lld is outside [-1, %lld) (-1: row not written; else a slot of the KV pools)", \
-    e.i, e.value, e.bound)
+    e.i, e.value, e.bound)                                                                         \
+  X(kTreeRoot, "verify_tree_from_ids", "parents[%lld, 0] = %lld must be -1 (node 0 is the root)",  \
+    e.i, e.value)                                                                                  \
+  X(kTreeParent, "verify_tree_from_ids",                                                           \
+    "parents[%lld, %lld] = %lld is not a node before %lld (or -1)", e.i, e.j, e.value, e.j)        \
+  X(kTreeOrphan, "verify_tree_from_ids",                                                           \
+    "parents[%lld, %lld] = %lld is an unused node (its own parent is -1)", e.i, e.j, e.value)      \
+  X(kTreeDepth, "verify_tree_from_ids",                                                            \
+    "depths[%lld, %lld] = %lld is not its parent's depth + 1 = %lld", e.i, e.j, e.value, e.bound)  \
+  X(kTreeZeroDepth, "verify_tree_from_ids",                                                        \
+    "depths[%lld, %lld] = %lld must be 0 (the root's and the unused nodes' depth)", e.i, e.j,      \
+    e.value)
 
 enum class IndexCheck : int32_t {
   kNone = 0,

@@ -1,0 +1,107 @@
+"""Draft trees from one DFlash draft forward (tree verification, DDTree-style).
+
+A DFlash drafter drafts every block position at once from MASK inputs, so what one draft forward
+gives is, per position d = 1..D, a distribution over the token at d that does not depend on the
+tokens drafted before it: per-position marginals, not conditionals. Its second and third choices
+at a position hold much of what its first choice misses, so instead of one chain of first choices
+the target can verify a tree of them in one pass (each node sees the context and its ancestors
+only) and commit the longest path it agrees with.
+
+The tree is grown best first under a node budget: a node's score is the sum of the draft
+log-probabilities of the tokens on its path (the product of their probabilities, as DDTree ranks
+them), and nodes are added in descending score, so every node's parent is added before it. Since
+the marginals do not depend on the parent, the best node at depth d is the chain of first choices
+to d: a tree holding any node at depth d holds the chain to d (ties go to the lower sum of ranks),
+so it never commits fewer tokens than the chain of its depth would. Node 0 is the root: the
+request's last committed token (the chain's row 0); nodes come in the order they were added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import torch
+
+MAX_TREE_BUDGET = 256  # drafted nodes per request: the target verifies budget + 1 rows a step
+MAX_TREE_TOPK = 64  # choices per position
+
+
+@dataclasses.dataclass
+class DraftTrees:
+    """A batch of trees, padded to N = the largest budget + 1 nodes."""
+
+    tokens: torch.Tensor  # int64 [bs, N]: node 0 the root (anchor), then the drafted tokens
+    parents: torch.Tensor  # int64 [bs, N]: parent node index (< own index); -1 for the root and unused nodes
+    depths: torch.Tensor  # int64 [bs, N]: 0 for the root and unused nodes
+    sizes: list[int]  # nodes in use per request, root included
+
+    def ancestors(self) -> torch.Tensor:
+        """bool [bs, N, N]: [b, i, j] = node j is node i or one of its ancestors (what node i may
+        attend to in the block; unused nodes see only themselves)."""
+        bs, n = self.tokens.shape
+        seen = torch.eye(n, dtype=torch.bool, device=self.tokens.device).repeat(bs, 1, 1)
+        rows = torch.arange(bs, device=self.tokens.device)
+        for i in range(1, n):  # parents come first, so their rows are final when a child copies them
+            parent = self.parents[:, i]
+            used = parent >= 0
+            seen[rows[used], i] |= seen[rows[used], parent[used]]
+        return seen
+
+
+def validate_tree_options(budget: int, topk: int, vocab_size: int | None = None) -> None:
+    """One clear error for a tree option out of range; `vocab_size`: the draft vocabulary's, when
+    known (the CLI checks before any model loads, the generator again with the drafter's)."""
+    if not 1 <= budget <= MAX_TREE_BUDGET:
+        raise ValueError(f"--tree-budget must be in [1, {MAX_TREE_BUDGET}] drafted nodes, got {budget}")
+    if not 1 <= topk <= MAX_TREE_TOPK:
+        raise ValueError(f"--tree-topk must be in [1, {MAX_TREE_TOPK}] choices per position, got {topk}")
+    if vocab_size is not None and topk > vocab_size:
+        raise ValueError(f"--tree-topk {topk} exceeds the draft vocabulary ({vocab_size} tokens)")
+
+
+def build_trees(anchors: torch.Tensor, candidates: torch.Tensor, scores: torch.Tensor,
+                budgets: list[int]) -> DraftTrees:
+    """Best-first trees over per-position candidates.
+
+    anchors int64 [bs]: each request's root token; candidates int64 [bs, D, K]: the drafter's K
+    choices at positions 1..D, best first; scores float [bs, D, K]: their log-probabilities,
+    non-increasing along K. budgets[b]: drafted nodes of request b (the tree has up to
+    budgets[b] + 1 nodes; fewer when D * K-limited).
+    """
+    bs, depth_limit, k = candidates.shape
+    if anchors.shape != (bs,) or scores.shape != candidates.shape or len(budgets) != bs:
+        raise ValueError(f"build_trees: anchors {tuple(anchors.shape)}, candidates {tuple(candidates.shape)}, "
+                         f"scores {tuple(scores.shape)} and {len(budgets)} budgets do not describe one batch")
+    n = max(budgets) + 1
+    tokens = torch.zeros(bs, n, dtype=torch.int64)
+    parents = torch.full((bs, n), -1, dtype=torch.int64)
+    depths = torch.zeros(bs, n, dtype=torch.int64)
+    tokens[:, 0] = anchors.cpu()
+    cand, score = candidates.cpu().tolist(), scores.float().cpu().tolist()
+    sizes = []
+    for b in range(bs):
+        # Heap entries: (-path score, sum of ranks on the path, depth, rank, parent node).
+        frontier = [(-score[b][0][0], 0, 1, 0, 0)] if depth_limit and budgets[b] else []
+        path_score = [0.0]  # per node added
+        while frontier and len(path_score) <= budgets[b]:
+            neg, rank_sum, depth, rank, parent = heapq.heappop(frontier)
+            node = len(path_score)
+            path_score.append(-neg)
+            tokens[b, node], parents[b, node], depths[b, node] = cand[b][depth - 1][rank], parent, depth
+            if rank + 1 < k:  # the next sibling: same parent, the next choice at this depth
+                sibling = path_score[parent] + score[b][depth - 1][rank + 1]
+                heapq.heappush(frontier, (-sibling, rank_sum + 1, depth, rank + 1, parent))
+            if depth < depth_limit:  # the first child: this path, then the best choice one deeper
+                heapq.heappush(frontier, (neg - score[b][depth][0], rank_sum, depth + 1, 0, node))
+        sizes.append(len(path_score))
+    device = candidates.device
+    return DraftTrees(tokens.to(device), parents.to(device), depths.to(device), sizes)
+
+
+def path_rows(path: torch.Tensor, accept_len: torch.Tensor) -> torch.Tensor:
+    """Node indices of each request's committed path (root, accepted nodes) as [bs, max_len],
+    padded by repeating the last node (callers read only the first accept_len + 1)."""
+    width = int(accept_len.max()) + 1
+    cols = torch.arange(width, device=path.device)[None]
+    return path.gather(1, torch.minimum(cols, accept_len.to(path.device).long()[:, None]))

@@ -1,0 +1,205 @@
+"""Tree verification in the engine: best-first draft trees (tree.py), and generation that verifies
+trees instead of chains, lossless (greedy = plain greedy, seeded sampled = seeded plain sampled),
+with the target's cache and the drafter's context kept along the committed path only."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from sglang_dflash.engine import DFlashDrafter, Generator, SamplingParams
+from sglang_dflash.engine.drafters import NoDrafter
+from sglang_dflash.engine.tree import MAX_TREE_BUDGET, MAX_TREE_TOPK, build_trees
+from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, tiny_target
+
+PROMPTS = [[3, 4, 5], list(range(10, 30)), [50, 60, 70, 80, 90, 11, 12], [5]]
+MAX_NEW = 24
+
+
+def random_choices(bs, depth, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    candidates = torch.randint(0, 1000, (bs, depth, k), generator=g)
+    scores = -torch.rand(bs, depth, k, generator=g).mul(4).cumsum(-1)  # log-probabilities, decreasing
+    return torch.randint(0, 1000, (bs,), generator=g), candidates, scores
+
+
+def brute_force_best(scores, budget):
+    """The `budget` best (depth, ranks) paths of one request by exhaustive enumeration."""
+    depth_limit, k = scores.shape
+    paths = [ranks for d in range(1, depth_limit + 1) for ranks in itertools.product(range(k), repeat=d)]
+    score = {p: sum(float(scores[i, r]) for i, r in enumerate(p)) for p in paths}
+    return set(sorted(paths, key=lambda p: (-score[p], sum(p)))[:budget])
+
+
+@pytest.mark.parametrize("depth,k", [(1, 1), (1, 4), (3, 1), (3, 3), (5, 2), (4, 4)])
+def test_trees_are_the_best_paths_and_hold_the_chain(depth, k):
+    budgets = [1, 7, 30]
+    anchors, candidates, scores = random_choices(len(budgets), depth, k, seed=depth * 10 + k)
+    trees = build_trees(anchors, candidates, scores, budgets)
+    n = max(budgets) + 1
+    assert trees.tokens.shape == trees.parents.shape == trees.depths.shape == (3, n)
+    for b, budget in enumerate(budgets):
+        size = trees.sizes[b]
+        assert size == 1 + min(budget, sum(k ** d for d in range(1, depth + 1)))
+        assert int(trees.tokens[b, 0]) == int(anchors[b]) and int(trees.parents[b, 0]) == -1
+        assert (trees.parents[b, size:] == -1).all() and (trees.depths[b, size:] == 0).all()
+        ranks = {0: ()}  # node -> the ranks of its path
+        for i in range(1, size):
+            parent, d = int(trees.parents[b, i]), int(trees.depths[b, i])
+            assert 0 <= parent < i and d == int(trees.depths[b, parent]) + 1 <= depth
+            rank = next(r for r in range(k) if int(candidates[b, d - 1, r]) == int(trees.tokens[b, i])
+                        and ranks[parent] + (r,) not in ranks.values())
+            ranks[i] = ranks[parent] + (rank,)
+        assert set(ranks.values()) - {()} == brute_force_best(scores[b], budget)
+        path_scores = [sum(float(scores[b, j, r]) for j, r in enumerate(p)) for p in ranks.values()]
+        assert path_scores == sorted(path_scores, reverse=True), "nodes come best first"
+        deepest = max(len(p) for p in ranks.values())
+        assert all((0,) * d in ranks.values() for d in range(1, deepest + 1)), "the chain to the tree's depth"
+
+
+def test_ancestors_are_the_paths_to_the_root():
+    anchors, candidates, scores = random_choices(2, 4, 3, seed=5)
+    trees = build_trees(anchors, candidates, scores, [9, 20])
+    seen = trees.ancestors()
+    for b in range(2):
+        for i in range(trees.tokens.shape[1]):
+            expected, node = set(), i
+            while node >= 0:
+                expected.add(node)
+                node = int(trees.parents[b, node]) if node < trees.sizes[b] else -1
+            assert set(torch.nonzero(seen[b, i])[:, 0].tolist()) == expected
+
+
+class CandidateOracle(DFlashDrafter):
+    """The DFlash drafter's context handling with candidates from the known continuation: at each
+    position the true token sits at rank r with probability RANKS[r] (missing when r >= top-k, so a
+    chain is offered the same first choices as a tree), the other choices are random tokens.
+    Records the tapped states every commit hands the drafter."""
+
+    RANKS = torch.tensor([0.6, 0.25, 0.1, 0.05])
+
+    def __init__(self, model, target, references, seed=0):
+        super().__init__(model, target)
+        self.references = references
+        self.gen = torch.Generator().manual_seed(seed)
+        self.committed: dict[int, list[torch.Tensor]] = {}
+
+    def propose_candidates(self, reqs, anchors, starts, depth, topk, sampling=None):
+        vocab = self.target.vocab_size
+        candidates = torch.randint(0, vocab, (len(reqs), depth, topk), generator=self.gen)
+        for b, (r, p) in enumerate(zip(reqs, starts.tolist(), strict=True)):
+            for d in range(1, depth + 1):
+                truth = self.references[r][p + d] if p + d < len(self.references[r]) else 0
+                row = candidates[b, d - 1]
+                row[row == truth] = (truth + 1) % vocab
+                rank = int(torch.multinomial(self.RANKS, 1, generator=self.gen))
+                if rank < topk:
+                    row[rank] = truth
+        scores = -torch.rand(candidates.shape, generator=self.gen).cumsum(-1)
+        return candidates, scores
+
+    def commit(self, reqs, counts, taps):
+        for b, (r, n) in enumerate(zip(reqs, counts, strict=True)):
+            self.committed.setdefault(r, []).append(taps[b, :n].clone())
+        super().commit(reqs, counts, taps)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request):
+    target = tiny_target(request.param)
+    return target, [hf_greedy(target, p, MAX_NEW, STOP_TOKEN) for p in PROMPTS]
+
+
+def check_steps(result, max_depth):
+    assert all(1 <= len(s) <= max_depth + 1 for s in result.steps)
+    assert [t for s in result.steps for t in s] == result.output_ids[1:]
+    assert len(result.trees) == len(result.steps)
+    for tree, step in zip(result.trees, result.steps, strict=True):
+        assert tree["path"][0] == 0 and len(tree["path"]) >= len(step)  # a stop / max cut may drop commits
+        assert tree["path"] == sorted(tree["path"]) and tree["nodes"] > tree["path"][-1]
+
+
+@pytest.mark.parametrize("budget,topk", [(1, 1), (5, 3), (16, 4), (40, 2)])
+@pytest.mark.parametrize("batch", ["bs1", "bs4"])
+def test_greedy_tree_generation_equals_plain_greedy(tiny, budget, topk, batch):
+    target, refs = tiny
+    prompts, refs = (PROMPTS[1:2], refs[1:2]) if batch == "bs1" else (PROMPTS, refs)
+    params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(STOP_TOKEN,))
+    oracle = CandidateOracle(random_draft(target), target, [p + r for p, r in zip(prompts, refs, strict=True)],
+                             seed=budget)
+    runs = {}
+    for name, drafter in (("oracle", oracle), ("drafter", DFlashDrafter(random_draft(target), target))):
+        runs[name] = Generator(target, drafter, 8, tree_budget=budget, tree_topk=topk).generate(prompts, params)
+        for result, ref in zip(runs[name], refs, strict=True):
+            assert result.output_ids == ref
+            check_steps(result, 7)
+    paths = [t["path"] for r in runs["oracle"] for t in r.trees]
+    if budget > 1:  # else the tests below could pass without a tree
+        assert max(len(p) for p in paths) >= 3, "the oracle's trees must accept paths of several nodes"
+    if topk > 1:
+        assert any(p != list(range(len(p))) for p in paths), \
+            "some accepted path must skip nodes (else moving the kept K/V is untested)"
+
+
+def test_the_drafter_gets_the_committed_paths_context(tiny):
+    """The tapped states each commit hands the drafter must be those of a plain forward over the
+    committed text at the same positions: the tree's off-path nodes neither reach the drafter
+    nor stay in the target's cache (a wrong cache column would change later taps)."""
+    target, refs = tiny
+    drafter = CandidateOracle(random_draft(target), target, [p + r for p, r in zip(PROMPTS, refs, strict=True)])
+    results = Generator(target, drafter, 6, tree_budget=12, tree_topk=3).generate(
+        PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(STOP_TOKEN,)))
+    target.set_taps(drafter.layer_ids)
+    for r, (prompt, result) in enumerate(zip(PROMPTS, results, strict=True)):
+        with torch.no_grad():
+            target.model(torch.tensor([prompt + result.output_ids]))
+        full = target.take_taps()[0]
+        got = torch.cat(drafter.committed[r])
+        start = len(prompt)  # the first step's root is the prefill token at position len(prompt)
+        torch.testing.assert_close(got, full[start:start + got.shape[0]], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 0, 1.0), (1.3, 5, 0.9)])
+def test_seeded_sampled_tree_output_equals_seeded_plain_output(tiny, temperature, top_k, top_p):
+    target, _ = tiny
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=7, max_new_tokens=MAX_NEW,
+                            stop_token_ids=(STOP_TOKEN,))
+    plain = Generator(target, NoDrafter(), 1).generate(PROMPTS, params)
+    references = [p + r.output_ids for p, r in zip(PROMPTS, plain, strict=True)]
+    for drafter in (CandidateOracle(random_draft(target), target, references, seed=3),
+                    DFlashDrafter(random_draft(target), target)):
+        trees = Generator(target, drafter, 8, tree_budget=10, tree_topk=3).generate(PROMPTS, params)
+        assert [r.output_ids for r in trees] == [r.output_ids for r in plain]
+    assert max(len(t["path"]) for r in trees for t in r.trees) >= 1
+
+
+def test_a_tree_accepts_more_than_the_chain_of_its_drafter(tiny):
+    target, refs = tiny
+    references = [p + r for p, r in zip(PROMPTS, refs, strict=True)]
+    params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(STOP_TOKEN,))
+    chain = Generator(target, CandidateOracle(random_draft(target), target, references, seed=1), 8,
+                      tree_budget=7, tree_topk=1).generate(PROMPTS, params)
+    tree = Generator(target, CandidateOracle(random_draft(target), target, references, seed=1), 8,
+                     tree_budget=24, tree_topk=4).generate(PROMPTS, params)
+    steps = [sum(r.stats.steps for r in results) for results in (chain, tree)]
+    assert steps[1] < steps[0], steps
+
+
+def test_tree_options_are_checked():
+    target = tiny_target()
+    drafter = DFlashDrafter(random_draft(target), target)
+    too_many = MAX_TREE_BUDGET + 1
+    with pytest.raises(ValueError, match=rf"--tree-budget must be in \[1, {MAX_TREE_BUDGET}\].*got {too_many}"):
+        Generator(target, drafter, 8, tree_budget=MAX_TREE_BUDGET + 1)
+    with pytest.raises(ValueError, match=rf"--tree-topk must be in \[1, {MAX_TREE_TOPK}\].*got 0"):
+        Generator(target, drafter, 8, tree_budget=4, tree_topk=0)
+    small = DFlashDrafter(random_draft(target), target)
+    small.lm_head_weight = small.lm_head_weight[:20]
+    with pytest.raises(ValueError, match=r"--tree-topk 30 exceeds the draft vocabulary \(20 tokens\)"):
+        Generator(target, small, 8, tree_budget=4, tree_topk=30)
+    with pytest.raises(ValueError, match="needs a DFlash drafter"):
+        Generator(target, NoDrafter(), 1, tree_budget=4)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        Generator(target, drafter, 8, adaptive=True, tree_budget=4)
