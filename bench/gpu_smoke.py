@@ -35,6 +35,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 CASES = {
     "verify_block": [FP32, BF16, FP16],
     "verify_block_from_ids": [torch.int32, torch.int64],
+    "verify_tree_from_ids": [torch.int32, torch.int64],
     "gumbel_argmax": [FP32, BF16, FP16],
     "block_attention": [
         Attention(32, 8, 128, BF16, 16), Attention(32, 8, 128, FP16, 16), Attention(32, 8, 128, BF16, 1),
@@ -76,7 +77,7 @@ def run_op(op: str, device: str) -> dict:
             return _compare(got, want, *rest)
 
         setattr(self_test, name, recording)
-    exact = op in ("verify_block", "verify_block_from_ids", "gumbel_argmax")
+    exact = op in ("verify_block", "verify_block_from_ids", "verify_tree_from_ids", "gumbel_argmax")
     cases = []
     for case in CASES[op]:
         seen.clear()

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from sglang_dflash import ops
-from sglang_dflash.ops.testing import make_context_kv_inputs
+from sglang_dflash.ops.testing import follow_targets, make_context_kv_inputs, make_tree
 
 DEV = "cuda"
 
@@ -97,6 +97,12 @@ def main() -> None:
         verify(torch.float32, 12000, 0.9, 5000, 1.0)  # top-k above the shared capacity
     ids = torch.randint(0, 9, (3, 5), device=DEV, dtype=torch.int32)
     ops.verify_block_from_ids(torch.randint(0, 9, (3, 5), device=DEV), ids)
+    # verify_tree_from_ids: padded trees whose drafts often follow the target (deep walks).
+    gen = torch.Generator().manual_seed(0)
+    tokens, parents, depths = make_tree(6, 30, 12, gen)
+    target = torch.randint(0, 12, (6, 30), generator=gen)
+    tokens = follow_targets(tokens, parents, target, gen)
+    ops.verify_tree_from_ids(*(t.to(DEV) for t in (tokens, parents, depths, target)))
     torch.cuda.synchronize()
     # gumbel_argmax: with and without ids, a row longer than one block's pass.
     gumbel(torch.float32, 3, 1000, True)

@@ -67,7 +67,7 @@ def test_kernels_pass_their_self_test(fresh, op):
 
 def test_engine_plan_passes_on_the_cpu(fresh):
     plan = self_test.engine_plan(9, 3, 64, torch.bfloat16, CPU)
-    assert set(plan) == {"verify_block", "gumbel_argmax", "block_attention", "skinny_linear"}
+    assert set(plan) == {"verify_block", "verify_tree_from_ids", "gumbel_argmax", "block_attention", "skinny_linear"}
     assert plan["verify_block"] == [torch.float32, torch.bfloat16]
     assert self_test.select(CPU, plan, fallback="PyTorch") == set(plan)
     assert not ops._REFERENCE_ON

@@ -278,7 +278,8 @@ def select(device: torch.device | str, plan: Mapping[str, Iterable[Any]], fallba
 def engine_plan(q_heads: int, kv_heads: int, head_dim: int, logits_dtype: torch.dtype,
                 device: torch.device) -> dict[str, list]:
     """What the standalone engine runs on `device` with a target of this head layout and dtype:
-    verify_block on its logits, gumbel_argmax on fp32 draft scores, block_attention for a drafter
+    verify_block on its logits, verify_tree_from_ids on int64 trees (draft trees: the walk after
+    verify_block sampled each node), gumbel_argmax on fp32 draft scores, block_attention for a drafter
     (built after the target; DFlash drafters share the target's head layout, not always its dtype,
     so every float dtype) over full blocks and causal windowed small ones, and on the CPU
     skinny_linear in every float dtype."""
@@ -286,6 +287,7 @@ def engine_plan(q_heads: int, kv_heads: int, head_dim: int, logits_dtype: torch.
     attention += [Attention(q_heads, kv_heads, head_dim, dtype, 4, window=64, causal_block=True) for dtype in FLOATS]
     plan = {
         "verify_block": list(dict.fromkeys([torch.float32, logits_dtype])),
+        "verify_tree_from_ids": [torch.int64],
         "gumbel_argmax": [torch.float32],
         "block_attention": attention,
     }
