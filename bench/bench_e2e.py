@@ -80,9 +80,15 @@ def block_label(row: dict) -> str:
     return f"≤{row['block_size']}" if row.get("adaptive") else str(row["block_size"])
 
 
-def is_chain(row: dict, fixed: bool = True) -> bool:
-    """A chain row (not a tree); with `fixed`, of a fixed block size."""
-    return not row.get("tree_budget") and not (fixed and row.get("adaptive"))
+def is_fixed_chain(row: dict) -> bool:
+    """A chain of a fixed block size (not adaptive, not a tree)."""
+    return not row.get("tree_budget") and not row.get("adaptive")
+
+
+def fixed_chains_of(rows: list[dict], row: dict) -> list[dict]:
+    """The fixed-block-size chain rows of `row`'s dataset and temperature."""
+    return [r for r in rows if is_fixed_chain(r) and r["dataset"] == row["dataset"]
+            and r["temperature"] == row["temperature"]]
 
 
 def tree_against_chain(rows: list[dict]) -> list[dict]:
@@ -92,8 +98,7 @@ def tree_against_chain(rows: list[dict]) -> list[dict]:
     for row in rows:
         if not row.get("tree_budget"):
             continue
-        chains = [r for r in rows if is_chain(r) and r["dataset"] == row["dataset"]
-                  and r["temperature"] == row["temperature"]]
+        chains = fixed_chains_of(rows, row)
         if not chains:
             continue
         best_tau = max(chains, key=lambda r: r["tau_token_weighted"])
@@ -114,9 +119,7 @@ def adaptive_against_fixed(rows: list[dict]) -> list[dict]:
     for row in rows:
         if not row.get("adaptive"):
             continue
-        fixed = [r for r in rows if is_chain(r) and r["dataset"] == row["dataset"]
-                 and r["temperature"] == row["temperature"]]
-        best = max(fixed, key=lambda r: r["speedup"], default=None)
+        best = max(fixed_chains_of(rows, row), key=lambda r: r["speedup"], default=None)
         best_speedup, best_label = (1.0, "1")  # plain decoding
         if best and best["speedup"] > 1.0:
             best_speedup, best_label = best["speedup"], block_label(best)
@@ -130,7 +133,7 @@ def markdown_table(rows: list[dict]) -> str:
     """The README table of a run: per dataset and temperature, tau and speedup over plain at each
     fixed block size, the adaptive block size's speedup (its mean block size), and the adaptive
     speedup over the best fixed one (plain, 1.00x, counted); the best speedup of a row in bold."""
-    fixed = sorted({r["block_size"] for r in rows if is_chain(r)})
+    fixed = sorted({r["block_size"] for r in rows if is_fixed_chain(r)})
     adaptive = sorted({r["block_size"] for r in rows if r.get("adaptive")})
     trees = sorted({r["tree_budget"] for r in rows if r.get("tree_budget")})
     head = ([f"tau B={b}" for b in fixed] + [f"tau tree{n}" for n in trees] + [f"B={b}" for b in fixed]
@@ -203,7 +206,7 @@ def plot_trees(rows: list[dict], out_prefix: Path) -> list[Path]:
         for i, (dataset, temperature) in enumerate(dict.fromkeys((r["dataset"], r["temperature"]) for r in rows)):
             cell = [r for r in rows if r["dataset"] == dataset and r["temperature"] == temperature]
             trees = sorted((r for r in cell if r.get("tree_budget")), key=lambda r: r["tree_budget"])
-            chains = [r for r in cell if is_chain(r)]
+            chains = [r for r in cell if is_fixed_chain(r)]
             if not trees or not chains:
                 continue
             ax.plot([r["tree_budget"] for r in trees], [r[metric] for r in trees], marker="o", color=f"C{i}",
