@@ -15,6 +15,7 @@ layers, so they stream from memory as in a decode step rather than sitting in ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -145,6 +146,69 @@ def bench_skinny_linear(shape, repeats):
                 kernel_GBps=gbps)
 
 
+# (rows, heads, D, rotary): the shipped drafter's q / k norm + RoPE at B 4 and 8, its hidden_norm
+# rows (no RoPE), and a Qwen3-8B-sized q at B 16.
+NORM_SHAPES = [(4, 9, 64, 64), (4, 3, 64, 64), (8, 9, 64, 64), (4, 1, 576, 0), (16, 32, 128, 128)]
+
+
+@contextlib.contextmanager
+def draft_model_torch_path():
+    """The draft model's PyTorch path for what it otherwise runs through rms_norm_rope (the model
+    takes it wherever the op does not run our kernel)."""
+    saved = set(ops._REFERENCE_ON)
+    ops._REFERENCE_ON.add(("rms_norm_rope", torch.device("cpu")))
+    try:
+        yield
+    finally:
+        ops._REFERENCE_ON.clear()
+        ops._REFERENCE_ON.update(saved)
+
+
+def bench_rms_norm_rope(shape, repeats):
+    """Against what the draft model runs without the kernel: its RMSNorm module, then apply_rope
+    with cos / sin rows (bf16, the drafter's dtype)."""
+    from sglang_dflash.models.draft import RMSNorm, apply_rope
+
+    rows, heads, d, rotary = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, heads, d, generator=gen).to(torch.bfloat16)
+    norm = RMSNorm(d, 1e-6).to(torch.bfloat16)
+    table = torch.randn(4096, d, generator=gen) if rotary else None
+    pos = torch.randint(0, 4096, (rows,), generator=gen) if rotary else None
+    cos = sin = torch.randn(rows, d, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        kernel = median_time(lambda: ops.rms_norm_rope(x, norm.weight, 1e-6, table, pos), repeats * 100)
+        with draft_model_torch_path():
+            torch_ops = median_time((lambda: apply_rope(norm(x), cos, sin)) if rotary else (lambda: norm(x)),
+                                    repeats * 100)
+    return dict(op="rms_norm_rope", rows=rows, heads=heads, D=d, rope=bool(rotary), dtype="bfloat16",
+                baseline="torch ops", kernel_ms=kernel * 1e3, reference_ms=torch_ops * 1e3, ratio=torch_ops / kernel,
+                kernel_GBps=2 * x.nbytes / kernel / 1e9)
+
+
+def bench_draft_forward(block_size, repeats):
+    """One forward of the shipped drafter (bs 1, 300 context tokens) with its CPU kernels
+    (rms_norm_rope) and with the PyTorch ops they replace; the matmuls run skinny_linear in both."""
+    from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
+    from sglang_dflash.models import load_draft
+
+    draft = load_draft(resolve_draft(SHIPPED_DRAFTER), dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    draft.allocate_cache(400, 1, 400)
+    with torch.no_grad():
+        draft.append_context([draft.cache.add_request()], [300], torch.randn(300, draft.fc.in_features, generator=gen))
+    embeds = torch.randn(block_size, draft.config.hidden_size, generator=gen)
+    rows = torch.tensor([0])
+    with torch.no_grad():
+        kernel = median_time(lambda: draft(embeds, rows, block_size), repeats * 20)
+        with draft_model_torch_path():
+            torch_ops = median_time(lambda: draft(embeds, rows, block_size), repeats * 20)
+    weights = sum(p.nbytes for p in draft.layers.parameters())
+    return dict(op="draft_forward", B=block_size, layers=len(draft.layers), dtype="bfloat16", baseline="torch ops",
+                kernel_ms=kernel * 1e3, reference_ms=torch_ops * 1e3, ratio=torch_ops / kernel,
+                kernel_GBps=weights / kernel / 1e9)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="first shape of each op, few repeats")
@@ -155,6 +219,8 @@ def main():
     jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_skinny_linear, s) for s in LINEAR_SHAPES[: 1 if opts.quick else None]]
+    jobs += [(bench_rms_norm_rope, s) for s in NORM_SHAPES[: 1 if opts.quick else None]]
+    jobs += [(bench_draft_forward, b) for b in [2, 4, 8][: 1 if opts.quick else None]]
     # This VM's memory bandwidth drifts (27-53 GB/s seen on one machine): the best of a probe
     # before and one after the cases.
     before = read_bandwidth()
@@ -170,8 +236,8 @@ def main():
         shape = {k: v for k, v in row.items() if k != "op" and k not in timing}
         flops = f"   {row['kernel_GFLOPs']:6.1f} GFLOP/s" if "kernel_GFLOPs" in row else ""
         flops += f"   {row['roofline_pct']:5.1f}% of roofline"
-        print(f"{row['op']:16s} {shape}\n    kernel {row['kernel_ms']:9.2f} ms   {row.get('baseline', 'reference')} "
-              f"{row['reference_ms']:9.2f} ms   ratio {row['ratio']:6.1f}x   {row['kernel_GBps']:6.1f} GB/s{flops}")
+        print(f"{row['op']:16s} {shape}\n    kernel {row['kernel_ms']:9.3f} ms   {row.get('baseline', 'reference')} "
+              f"{row['reference_ms']:9.3f} ms   ratio {row['ratio']:6.1f}x   {row['kernel_GBps']:6.1f} GB/s{flops}")
     result = dict(provenance=info, read_GBps=bandwidth / 1e9, cases=rows)
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
     with open(opts.out, "w") as f:

@@ -451,4 +451,45 @@ void check_materialize_context_kv_indices(const at::Tensor& positions, const at:
              "] are both slot ", twice->first, ": each slot may be written once per call");
 }
 
+void check_rms_norm_rope_args(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& cos_sin_cache,
+                              const std::optional<at::Tensor>& positions) {
+  const char* op = "rms_norm_rope";
+  SGLD_CHECK(x.dim() >= 1, op, "x must have at least 1 dimension [..., D], got a scalar");
+  SGLD_CHECK(is_float_type(x.scalar_type()), op, "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  check_rows_of_vectors(op, "x", x);
+  const int64_t head_dim = x.size(-1);
+  check_rank(op, "weight", weight, 1, "[D]");
+  check_size(op, "weight", weight, 0, head_dim, "D = x.shape[-1]");
+  check_dtype(op, "weight", weight, x.scalar_type());
+  check_same_device(op, x, "weight", weight);
+  SGLD_CHECK(cos_sin_cache.has_value() == positions.has_value(), op,
+             "cos_sin_cache and positions go together (RoPE needs both), got only ",
+             cos_sin_cache.has_value() ? "cos_sin_cache" : "positions");
+  if (!cos_sin_cache.has_value()) return;
+  check_rank(op, "x", x, 3, "[N, heads, D] (with RoPE)");
+  check_rank(op, "cos_sin_cache", *cos_sin_cache, 2, "[P, rotary_dim]");
+  SGLD_CHECK(is_float_type(cos_sin_cache->scalar_type()), op,
+             "cos_sin_cache must be float32, bfloat16 or float16, got ", cos_sin_cache->scalar_type());
+  const int64_t rotary_dim = cos_sin_cache->size(1);
+  SGLD_CHECK(rotary_dim % 2 == 0 && rotary_dim >= 2 && rotary_dim <= head_dim, op,
+             "cos_sin_cache.shape[1] (rotary_dim: cos then sin halves) must be even, in [2, D = ", head_dim,
+             "], got shape ", shape_of(*cos_sin_cache));
+  check_rows_of_vectors(op, "cos_sin_cache", *cos_sin_cache);
+  check_same_device(op, x, "cos_sin_cache", *cos_sin_cache);
+  check_rank(op, "positions", *positions, 1, "[N]");
+  check_size(op, "positions", *positions, 0, x.size(0), "N = x.shape[0]");
+  check_index_tensor(op, "positions", *positions);
+  check_same_device(op, x, "positions", *positions);
+}
+
+void check_rms_norm_rope_positions(const std::optional<at::Tensor>& cos_sin_cache,
+                                   const std::optional<at::Tensor>& positions) {
+  if (!positions.has_value() || positions->numel() == 0) return;
+  const int64_t rows = cos_sin_cache->size(0);
+  if (const auto bad = first_outside(*positions, 0, rows)) {
+    fail_index(IndexCheck::kNormRopePosition, bad->index, 0, bad->value, rows);
+  }
+}
+
 }  // namespace sglang_dflash

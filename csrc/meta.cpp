@@ -74,6 +74,13 @@ void materialize_context_kv_meta(const at::Tensor& ctx, at::TensorList kv_weight
                                     k_caches, v_caches);
 }
 
+at::Tensor rms_norm_rope_meta(const at::Tensor& x, const at::Tensor& weight, double /*eps*/,
+                              const std::optional<at::Tensor>& cos_sin_cache,
+                              const std::optional<at::Tensor>& positions, bool /*is_neox*/) {
+  check_rms_norm_rope_args(x, weight, cos_sin_cache, positions);
+  return at::empty(x.sizes(), x.options());
+}
+
 }  // namespace
 }  // namespace sglang_dflash
 
@@ -85,4 +92,5 @@ TORCH_LIBRARY_IMPL(sglang_dflash, Meta, m) {
   m.impl("skinny_linear", &sglang_dflash::skinny_linear_meta);
   m.impl("gumbel_argmax", &sglang_dflash::gumbel_argmax_meta);
   m.impl("materialize_context_kv", &sglang_dflash::materialize_context_kv_meta);
+  m.impl("rms_norm_rope", &sglang_dflash::rms_norm_rope_meta);
 }

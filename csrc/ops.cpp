@@ -27,6 +27,9 @@ TORCH_LIBRARY(sglang_dflash, m) {
       "materialize_context_kv(Tensor ctx, Tensor[] kv_weights, Tensor[]? kv_biases, Tensor[] k_norm_weights, "
       "float eps, Tensor cos_sin_cache, bool is_neox, Tensor positions, Tensor out_loc, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, float v_scale=1.0) -> ()");
+  m.def(
+      "rms_norm_rope(Tensor x, Tensor weight, float eps, Tensor? cos_sin_cache=None, Tensor? positions=None, "
+      "bool is_neox=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
@@ -37,6 +40,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
   m.impl("skinny_linear", &sglang_dflash::cpu::skinny_linear);
   m.impl("gumbel_argmax", &sglang_dflash::cpu::gumbel_argmax);
   m.impl("materialize_context_kv", &sglang_dflash::cpu::materialize_context_kv);
+  m.impl("rms_norm_rope", &sglang_dflash::cpu::rms_norm_rope);
 }
 
 // Importing sglang_dflash._C runs the registrations above; the module itself has no members.

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from sglang_dflash import ops
 from sglang_dflash.models import DFlashConfig, load_draft, save_draft
 
 H, HQ, HKV, D, FFN, VOCAB, TARGET_LAYERS = 48, 4, 2, 16, 80, 120, 10
@@ -143,8 +144,14 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("path", ["kernels", "pytorch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_zlab_checkpoint_matches_reference(tmp_path, case):
+def test_zlab_checkpoint_matches_reference(tmp_path, monkeypatch, case, path):
+    """`path`: the CPU inference kernels (rms_norm_rope, materialize_context_kv), or the PyTorch
+    math the model runs where they do not serve (training, other devices, a failed self-test)."""
+    if path == "pytorch":
+        monkeypatch.setattr(ops, "_REFERENCE_ON", {(op, torch.device("cpu"))
+                                                   for op in ("rms_norm_rope", "materialize_context_kv")})
     c = CASES[case]
     block_size, gen = 6, torch.Generator().manual_seed(list(CASES).index(case))
     cfg = zlab_config(c["schema"], c["layers"], c["taps"], block_size, c["window"], c["causal"], c["bias"])

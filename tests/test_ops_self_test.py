@@ -26,6 +26,7 @@ CASES = {
     "materialize_context_kv": [ContextKV(96, 2, 64, 64, torch.float32, torch.float32, torch.float32, True, True),
                                ContextKV(576, 3, 64, 32, torch.bfloat16, torch.float16, torch.bfloat16, False, False)],
     "skinny_linear": [torch.float32, torch.bfloat16, torch.float16],
+    "rms_norm_rope": [torch.float32, torch.bfloat16, torch.float16],
 }
 
 
@@ -67,7 +68,8 @@ def test_kernels_pass_their_self_test(fresh, op):
 
 def test_engine_plan_passes_on_the_cpu(fresh):
     plan = self_test.engine_plan(9, 3, 64, torch.bfloat16, CPU)
-    assert set(plan) == {"verify_block", "verify_tree_from_ids", "gumbel_argmax", "block_attention", "skinny_linear"}
+    assert set(plan) == {"verify_block", "verify_tree_from_ids", "gumbel_argmax", "block_attention",
+                         "materialize_context_kv", "skinny_linear", "rms_norm_rope"}
     assert plan["verify_block"] == [torch.float32, torch.bfloat16]
     assert self_test.select(CPU, plan, fallback="PyTorch") == set(plan)
     assert not ops._REFERENCE_ON
@@ -126,6 +128,37 @@ def test_skinny_linear_falls_back_to_torch_linear(fresh, monkeypatch):
     assert self_test.select(CPU, {"skinny_linear": [torch.float32]}, fallback="PyTorch") == set()
     assert not skinny_applies(x, w)  # F.linear, not the float64 reference, in the models
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_draft_model_falls_back_to_pytorch(fresh, monkeypatch):
+    """A failed rms_norm_rope / materialize_context_kv leaves the draft model on its PyTorch math,
+    not on the (slower) references."""
+    from sglang_dflash.models.draft import RMSNorm
+    from tests.dflash_testlib import random_draft, tiny_target
+
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 64)
+    fused = norm(x)
+    for op in ("rms_norm_rope", "materialize_context_kv"):
+        _break(monkeypatch, op, "wrong")
+    plan = {"rms_norm_rope": [torch.float32], "materialize_context_kv": CASES["materialize_context_kv"][:1]}
+    assert self_test.select(CPU, plan, fallback="PyTorch") == set()
+    draft = random_draft(tiny_target())  # the target's own self-test runs the references: before the spy
+    calls = []
+    monkeypatch.setattr(reference, "rms_norm_rope", lambda *a, **k: calls.append("rms_norm_rope"))
+    monkeypatch.setattr(reference, "materialize_context_kv", lambda *a, **k: calls.append("materialize_context_kv"))
+    with torch.no_grad():
+        plain = norm(x)
+        draft.allocate_cache(64, 1, 64)
+        draft.append_context([draft.cache.add_request()], [5], torch.randn(5, draft.fc.in_features))
+        draft(torch.randn(8, draft.config.hidden_size), torch.tensor([0]), 8)
+    assert not calls
+    assert bool(draft.cache.k[:, draft.cache.req_to_token[0, :5]].abs().sum(-1).gt(0).all())  # written
+    xf = x.float()
+    assert torch.equal(plain, norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)))
+    torch.testing.assert_close(plain, fused, rtol=1e-5, atol=1e-5)
 
 
 def test_strict_mode_raises_and_changes_nothing(fresh, monkeypatch, caplog):

@@ -45,4 +45,10 @@ void materialize_context_kv(const at::Tensor& ctx, at::TensorList kv_weights,
                             const at::Tensor& positions, const at::Tensor& out_loc, at::TensorList k_caches,
                             at::TensorList v_caches, double v_scale);
 
+// Per head vector of x: RMSNorm over D (times weight), then RoPE at positions[row] when
+// cos_sin_cache is given; fp32 inside, one rounding to x's dtype (sglang_dflash/ops/__init__.py).
+at::Tensor rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, double eps,
+                         const std::optional<at::Tensor>& cos_sin_cache, const std::optional<at::Tensor>& positions,
+                         bool is_neox);
+
 }  // namespace sglang_dflash::cpu

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "head_vector.h"
 #include "to_float.h"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
@@ -19,29 +20,7 @@
 namespace sglang_dflash::cpu {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kSkinnyMaxRows = 16;  // skinny_linear beats BLAS up to here (bench/bench_ops.py)
-
-// Row `pos` of the cache (any float dtype) in fp32: rotary_dim values, cos half then sin half.
-void cos_sin_row(const at::Tensor& cache, int64_t pos, float* dst) {
-  SGLD_DISPATCH_FLOAT_TYPES(cache.scalar_type(), "materialize_context_kv", [&] {
-    to_float(cache.const_data_ptr<scalar_t>() + pos * cache.stride(0), dst, cache.size(1));
-  });
-}
-
-// Rotates the first rotary_dim values of k in place: pairs (i, i + rot/2) when is_neox, else
-// (2i, 2i + 1), each by the angle whose cos / sin are cs[i] / cs[rot/2 + i].
-void rope(float* k, const float* cs, int64_t rotary_dim, bool is_neox) {
-  const int64_t half = rotary_dim / 2;
-  const float* sin = cs + half;
-  const int64_t stride = is_neox ? 1 : 2, partner = is_neox ? half : 1;
-  for (int64_t i = 0; i < half; ++i) {
-    float* a = k + i * stride;
-    const float x1 = a[0], x2 = a[partner];
-    a[0] = x1 * cs[i] - x2 * sin[i];
-    a[partner] = x2 * cs[i] + x1 * sin[i];
-  }
-}
 
 struct Layer {
   const void* kv;     // projection [N, 2 * Hkv * D], contiguous, ctx's dtype
@@ -71,10 +50,7 @@ void write_rows(const ContextKvShape& s, const std::vector<Layer>& layers, const
         for (int64_t h = 0; h < H; ++h) {
           float* x = buf.data();
           to_float(kv + h * D, x, D);
-          const float ss = at::vec::map_reduce_all<float>([](Vec a) { return a * a; },
-                                                          [](Vec a, Vec b) { return a + b; }, x, D);
-          const float inv_rms = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-          for (int64_t j = 0; j < D; ++j) x[j] = x[j] * inv_rms * w[j];
+          rms_norm(x, w, D, eps);
           rope(x, cs.data(), s.rotary_dim, is_neox);
           at::vec::convert(x, static_cast<pool_t*>(ly.k) + loc[r] * ly.k_s0 + h * ly.k_s1, D);
 

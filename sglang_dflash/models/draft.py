@@ -4,9 +4,17 @@ The model owns no embedding and no LM head (the target's are used). Context toke
 through `append_context` (fc -> hidden_norm -> per-layer k_proj/k_norm/RoPE and v_proj, written
 to a paged `ContextCache`); `forward` runs one block per request with `block_attention` over
 that cache plus the block's own K/V.
+
+A draft step on the CPU is a few rows through small matrices, so its time goes to the number of
+ops more than to arithmetic: at inference on the CPU the norms (and the q / k norm + RoPE) run as
+one `rms_norm_rope` call each and the context K/V of all layers as one `materialize_context_kv`
+call, instead of ~8 and ~14 elementwise ops and a per-layer loop. Training (autograd) and other
+devices run the same math in PyTorch.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +23,15 @@ from torch import nn
 from sglang_dflash.models.config import DFlashConfig
 from sglang_dflash.models.context_cache import ContextCache
 from sglang_dflash.models.skinny import SkinnyLinear, linear
-from sglang_dflash.ops import block_attention
+from sglang_dflash.ops import block_attention, materialize_context_kv, rms_norm_rope, runs_ours
+
+
+def _kernel_applies(op: str, x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether the CPU inference kernel `op` may stand in for the PyTorch math on x: on the CPU,
+    nothing that needs autograd, and the kernel passed its self-test."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
+            and runs_ours(op, x.device))
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +41,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _kernel_applies("rms_norm_rope", x, self.weight) and x.dtype == self.weight.dtype:
+            return rms_norm_rope(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -35,6 +53,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Rotary:
+    """Rotate-half RoPE at `positions` [n] for rows of one dtype: `norm_rope(norm, x)` is
+    apply_rope(norm(x)) for x [n, heads, D], through `rms_norm_rope` over the model's cos/sin table
+    where that kernel applies, else in PyTorch with cos / sin rows [n, D] in `dtype`."""
+
+    def __init__(self, model: DFlashDraftModel, positions: torch.Tensor, dtype: torch.dtype):
+        self.model, self.positions, self.dtype = model, positions, dtype
+
+    @functools.cached_property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = self.positions.float()[:, None] * self.model.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        """The model's fp32 cos/sin table, covering these positions."""
+        return self.model.cos_sin_table(int(self.positions.max()) + 1 if self.positions.numel() else 0)
+
+    def norm_rope(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        if _kernel_applies("rms_norm_rope", x, norm.weight) and x.dtype == norm.weight.dtype:
+            return rms_norm_rope(x, norm.weight, norm.eps, self.table, self.positions)
+        return apply_rope(norm(x), *self.cos_sin)
 
 
 class DFlashAttention(nn.Module):
@@ -50,10 +93,9 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        return apply_rope(k, cos, sin), v
+    def key_value(self, x: torch.Tensor, rotary: Rotary):
+        k = rotary.norm_rope(self.k_norm, self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
+        return k, self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
 
 
 class DFlashMLP(nn.Module):
@@ -76,14 +118,15 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
-        """One pre-norm residual layer over block rows h [n, H]. `attend(q, k, v)` -> [n, Hq, D]
-        supplies the attention over the context plus the block: `block_attention` over the paged
-        cache at inference, a masked SDPA over a whole sequence in training."""
+    def forward(self, h: torch.Tensor, rotary: Rotary, attend) -> torch.Tensor:
+        """One pre-norm residual layer over block rows h [n, H] at the positions of `rotary`.
+        `attend(q, k, v)` -> [n, Hq, D] supplies the attention over the context plus the block:
+        `block_attention` over the paged cache at inference, a masked SDPA over a whole sequence in
+        training."""
         attn = self.self_attn
         x = self.input_layernorm(h)
-        q = apply_rope(attn.q_norm(attn.q_proj(x).view(-1, attn.num_heads, attn.head_dim)), cos, sin)
-        k, v = attn.key_value(x, cos, sin)
+        q = rotary.norm_rope(attn.q_norm, attn.q_proj(x).view(-1, attn.num_heads, attn.head_dim))
+        k, v = attn.key_value(x, rotary)
         o = attend(q, k, v)
         h = h + attn.o_proj(o.reshape(o.shape[0], -1))
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -102,12 +145,23 @@ class DFlashDraftModel(nn.Module):
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.cache: ContextCache | None = None
+        self._cos_sin_table: torch.Tensor | None = None  # cos_sin_table()'s, built on first use
+        self._kv_projections: dict[int, tuple] = {}  # _kv_projection()'s, per attention module
         self.draft_vocab: torch.Tensor | None = None  # token ids drafts may take (None: all); see checkpoint.py
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        return Rotary(self, positions, dtype)
+
+    def cos_sin_table(self, positions: int) -> torch.Tensor:
+        """fp32 [P, D] with P >= positions: row p holds cos, then sin, of the D / 2 angles of
+        position p (SGLang's cos_sin_cache layout, for `rms_norm_rope` / `materialize_context_kv`);
+        computed as `Rotary.cos_sin` computes them, grown by doubling when a longer context comes."""
+        table = self._cos_sin_table
+        if table is None or table.shape[0] < positions or table.device != self.inv_freq.device:
+            rows = max(positions, 2 * (0 if table is None else table.shape[0]), 1024)
+            freqs = torch.arange(rows, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+            table = self._cos_sin_table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        return table
 
     def allocate_cache(self, num_slots: int, max_requests: int, max_context: int) -> ContextCache:
         """Create (replacing any previous one) the paged context cache this model attends over."""
@@ -126,11 +180,30 @@ class DFlashDraftModel(nn.Module):
                              f"({sum(counts)}, {self.fc.in_features})")
         slots, positions = self.cache.extend(reqs, counts)
         ctx = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
-        cos, sin = self._rope(positions, ctx.dtype)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_value(ctx, cos, sin)
+        attns = [layer.self_attn for layer in self.layers]
+        rotary = self.rotary(positions, ctx.dtype)
+        if _kernel_applies("materialize_context_kv", ctx):
+            weights, biases = zip(*(self._kv_projection(a) for a in attns), strict=True)
+            materialize_context_kv(ctx, weights, None if biases[0] is None else biases,
+                                   [a.k_norm.weight for a in attns], attns[0].k_norm.eps, rotary.table, True,
+                                   positions, slots, list(self.cache.k), list(self.cache.v))
+            return
+        for i, attn in enumerate(attns):
+            k, v = attn.key_value(ctx, rotary)
             self.cache.k[i, slots] = k
             self.cache.v[i, slots] = v
+
+    def _kv_projection(self, attn: DFlashAttention) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k_proj and v_proj stacked (weight [2 * Hkv * D, H], bias or None), as materialize_context_kv
+        takes them; kept while neither changes (an optimizer step or a load bumps their versions)."""
+        params = [p for p in (attn.k_proj.weight, attn.v_proj.weight, attn.k_proj.bias, attn.v_proj.bias)
+                  if p is not None]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cached = self._kv_projections.get(id(attn))
+        if cached is None or cached[0] != key:
+            bias = None if attn.k_proj.bias is None else torch.cat([attn.k_proj.bias, attn.v_proj.bias])
+            cached = self._kv_projections[id(attn)] = (key, torch.cat([attn.k_proj.weight, attn.v_proj.weight]), bias)
+        return cached[1], cached[2]
 
     @torch.no_grad()
     def forward(self, block_embeds: torch.Tensor, reqs: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -141,14 +214,14 @@ class DFlashDraftModel(nn.Module):
         ctx_lens = cache.ctx_lens[reqs]
         positions = (ctx_lens[:, None] + torch.arange(block_size, device=reqs.device)).reshape(-1)
         h = block_embeds.to(self.fc.weight.dtype)
-        cos, sin = self._rope(positions, h.dtype)
+        rotary = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             def attend(q, k, v, i=i):
                 return block_attention(q, k, v, cache.k[i], cache.v[i], cache.req_to_token, reqs, ctx_lens,
                                        block_size, window=self.config.layer_window(i),
                                        causal_block=self.config.causal)
 
-            h = layer(h, cos, sin, attend)
+            h = layer(h, rotary, attend)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

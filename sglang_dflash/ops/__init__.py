@@ -26,6 +26,7 @@ __all__ = [
     "check_device_errors",
     "gumbel_argmax",
     "materialize_context_kv",
+    "rms_norm_rope",
     "runs_ours",
     "skinny_linear",
     "use_reference",
@@ -242,6 +243,28 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"sglang_dflash.skinny_linear: is a CPU kernel; x is on {x.device} "
                          "(use torch.nn.functional.linear there)")
     return _impl("skinny_linear", x.device)(x, weight, bias)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None, is_neox: bool = True) -> torch.Tensor:
+    """RMSNorm of every vector along x's last dimension, then, with `cos_sin_cache`, its RoPE: the
+    q_norm / k_norm + rotary step of a Qwen3-style attention (and, without RoPE, any RMSNorm), in
+    one CPU pass instead of ~14 elementwise ops. Per vector, in fp32:
+
+        y = x * rsqrt(mean(x**2) + eps) * weight
+        y[:rotary_dim] = RoPE of y[:rotary_dim] at positions[row]   (with cos_sin_cache)
+
+    rounded once to x's dtype. x [..., D] (fp32, bf16 or fp16; last dimension contiguous, other
+    strides free: q / k can be views into a fused projection); weight [D] of x's dtype. With RoPE x
+    is [N, heads, D], cos_sin_cache [P, rotary_dim] of any float dtype in SGLang's layout (row p:
+    cos of the rotary_dim / 2 angles of position p, then their sin; rotary_dim even, in [2, D]),
+    positions [N] int32 / int64 in [0, P); is_neox: rotate-half pairs (j, j + rotary_dim / 2),
+    else interleaved (2j, 2j + 1). Returns a new contiguous tensor of x's shape and dtype. Bad
+    arguments raise a ValueError naming them. A CPU kernel (on GPUs torch's own ops serve).
+    """
+    if x.device.type not in ("cpu", "meta"):  # no kernel is registered for other devices
+        raise ValueError(f"sglang_dflash.rms_norm_rope: is a CPU kernel; x is on {x.device}")
+    return _impl("rms_norm_rope", x.device)(x, weight, float(eps), cos_sin_cache, positions, bool(is_neox))
 
 
 def materialize_context_kv(

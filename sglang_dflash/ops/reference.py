@@ -249,6 +249,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -
     return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
 
 
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None, is_neox: bool = True) -> torch.Tensor:
+    """In fp32: y = x * rsqrt(mean(x^2 over the last dim) + eps) * weight; with cos_sin_cache, the
+    first rotary_dim dims of y [N, heads, D] rotated by the angles in row positions[i] (cos half,
+    then sin half); rounded once to x's dtype."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    if cos_sin_cache is not None:
+        half = cos_sin_cache.shape[1] // 2
+        cos_sin = cos_sin_cache[positions.long()].float()[:, None]  # [N, 1, rotary_dim]
+        y = torch.cat([rope(y[..., : 2 * half], cos_sin[..., :half], cos_sin[..., half:], is_neox),
+                       y[..., 2 * half :]], dim=-1)
+    return y.to(x.dtype).contiguous()
+
+
 def materialize_context_kv(
     ctx: torch.Tensor,
     kv_weights: list[torch.Tensor],

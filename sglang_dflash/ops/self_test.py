@@ -10,7 +10,7 @@ gets one warning naming it and the device, and from then on runs the reference i
 one (SGLang's path in the server). With SGLANG_DFLASH_STRICT=1 a failure raises SelfTestError.
 
 Exact ops (verify, verify_tree_from_ids, gumbel_argmax) must agree bit for bit; block_attention
-and materialize_context_kv within the per-dtype tolerances of tests/test_ops_*.py, skinny_linear
+materialize_context_kv and rms_norm_rope within the per-dtype tolerances of tests/test_ops_*.py, skinny_linear
 within its rounding bound (tests/test_ops_skinny_linear.py); on CUDA no index check may fire on
 these valid inputs (`ops.check_device_errors`). Inputs are small (well under a second
 on a GPU, a few tens of milliseconds on a CPU) and each result is kept for the process's lifetime.
@@ -33,6 +33,7 @@ from sglang_dflash.ops.testing import (
     make_context_kv_inputs,
     make_tree,
     on_device,
+    sglang_cos_sin_cache,
     skinny_linear_error_ratio,
 )
 
@@ -217,6 +218,24 @@ def _skinny_linear(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _rms_norm_rope(device: torch.device, dtype: torch.dtype) -> str | None:
+    """q / k of a fused projection (strided head views) with RoPE, and plain rows without."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(5, 7, 64, generator=gen).to(dtype)
+    weight = (1 + 0.3 * torch.randn(64, generator=gen)).to(dtype)
+    cos_sin = sglang_cos_sin_cache(64, 40)
+    positions = torch.randint(0, 40, (5,), generator=gen)
+    k = qkv[:, 4:6]
+    got = _kernel("rms_norm_rope")(k.to(device), weight.to(device), 1e-6, cos_sin.to(device), positions.to(device),
+                                   True)
+    problem = _close(got, reference.rms_norm_rope(k, weight, 1e-6, cos_sin, positions), TOLERANCE[dtype])
+    if problem is not None:
+        return problem
+    rows = qkv.reshape(35, 64)
+    got = _kernel("rms_norm_rope")(rows.to(device), weight.to(device), 1e-6, None, None, True)
+    return _close(got, reference.rms_norm_rope(rows, weight, 1e-6), TOLERANCE[dtype])
+
+
 CHECKS: dict[str, Callable[[torch.device, Any], str | None]] = {
     "verify_block": _verify_block,  # cases: logits dtypes
     "verify_block_from_ids": _verify_block_from_ids,  # cases: id dtypes
@@ -225,6 +244,7 @@ CHECKS: dict[str, Callable[[torch.device, Any], str | None]] = {
     "block_attention": _block_attention,  # cases: Attention
     "materialize_context_kv": _materialize_context_kv,  # cases: ContextKV
     "skinny_linear": _skinny_linear,  # cases: dtypes (a CPU kernel)
+    "rms_norm_rope": _rms_norm_rope,  # cases: dtypes (a CPU kernel)
 }
 _RESULTS: dict[tuple[str, torch.device, Any], str | None] = {}
 
@@ -281,8 +301,9 @@ def engine_plan(q_heads: int, kv_heads: int, head_dim: int, logits_dtype: torch.
     verify_block on its logits, verify_tree_from_ids on int64 trees (draft trees: the walk after
     verify_block sampled each node), gumbel_argmax on fp32 draft scores, block_attention for a drafter
     (built after the target; DFlash drafters share the target's head layout, not always its dtype,
-    so every float dtype) over full blocks and causal windowed small ones, and on the CPU
-    skinny_linear in every float dtype."""
+    so every float dtype) over full blocks and causal windowed small ones, and on the CPU the
+    drafter's context K/V through materialize_context_kv and skinny_linear and rms_norm_rope in
+    every float dtype."""
     attention = [Attention(q_heads, kv_heads, head_dim, dtype, 16) for dtype in FLOATS]
     attention += [Attention(q_heads, kv_heads, head_dim, dtype, 4, window=64, causal_block=True) for dtype in FLOATS]
     plan = {
@@ -292,5 +313,8 @@ def engine_plan(q_heads: int, kv_heads: int, head_dim: int, logits_dtype: torch.
         "block_attention": attention,
     }
     if device.type == "cpu":
+        plan["materialize_context_kv"] = [ContextKV(q_heads * head_dim, kv_heads, head_dim, head_dim, dtype, dtype,
+                                                    torch.float32, False, True) for dtype in FLOATS]
         plan["skinny_linear"] = list(FLOATS)
+        plan["rms_norm_rope"] = list(FLOATS)
     return plan

@@ -39,8 +39,8 @@ def training_hidden(draft: DFlashDraftModel, features: torch.Tensor, block_embed
     context_len = features.shape[0]
     ctx = draft.hidden_norm(draft.fc(features.to(dtype)))
     ctx_pos = torch.arange(context_len, device=features.device)
-    ctx_cos, ctx_sin = draft._rope(ctx_pos, dtype)
-    cos, sin = draft._rope(positions, dtype)
+    ctx_rotary = draft.rotary(ctx_pos, dtype)
+    rotary = draft.rotary(positions, dtype)
     base = block_attention_mask(anchors, context_len, block_size)
     k_pos = torch.cat([ctx_pos, positions])
     h = block_embeds.to(dtype)
@@ -48,7 +48,7 @@ def training_hidden(draft: DFlashDraftModel, features: torch.Tensor, block_embed
         mask = layer_mask(base, positions, k_pos, draft.config.layer_window(i), draft.config.causal, context_len)
 
         def attend(q, k_block, v_block, attn=layer.self_attn, mask=mask):
-            k_ctx, v_ctx = attn.key_value(ctx, ctx_cos, ctx_sin)
+            k_ctx, v_ctx = attn.key_value(ctx, ctx_rotary)
             group = attn.num_heads // attn.num_kv_heads
             k = torch.cat([k_ctx, k_block]).repeat_interleave(group, dim=1)
             v = torch.cat([v_ctx, v_block]).repeat_interleave(group, dim=1)
@@ -56,5 +56,5 @@ def training_hidden(draft: DFlashDraftModel, features: torch.Tensor, block_embed
                                                  attn_mask=mask)
             return out.transpose(0, 1)
 
-        h = layer(h, cos, sin, attend)
+        h = layer(h, rotary, attend)
     return draft.norm(h)

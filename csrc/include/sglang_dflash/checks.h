@@ -104,4 +104,16 @@ ContextKvShape check_materialize_context_kv_args(const at::Tensor& ctx, at::Tens
 void check_materialize_context_kv_indices(const at::Tensor& positions, const at::Tensor& out_loc,
                                           const ContextKvShape& shape);
 
+// rms_norm_rope: x [..., D] float with a contiguous last dimension, weight [D] of x's dtype; with RoPE
+// (cos_sin_cache given) x is [N, heads, D], cos_sin_cache [P, rotary_dim] any float dtype with
+// rotary_dim even in [2, D], positions [N] int32 or int64; positions without cos_sin_cache is an
+// error. All on x's device (no reads of tensor data).
+void check_rms_norm_rope_args(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& cos_sin_cache,
+                              const std::optional<at::Tensor>& positions);
+
+// positions in [0, P) when RoPE is applied. Reads the positions, so only for CPU tensors.
+void check_rms_norm_rope_positions(const std::optional<at::Tensor>& cos_sin_cache,
+                                   const std::optional<at::Tensor>& positions);
+
 }  // namespace sglang_dflash

@@ -31,6 +31,8 @@ namespace sglang_dflash {
   X(kContextOutLoc, "materialize_context_kv",                                                     \
     "out_loc[%lld] = %lld is outside [-1, %lld) (-1: row not written; else a slot of the KV pools)", \
     e.i, e.value, e.bound)                                                                         \
+  X(kNormRopePosition, "rms_norm_rope",                                                           \
+    "positions[%lld] = %lld is outside the rows [0, %lld) of cos_sin_cache", e.i, e.value, e.bound) \
   X(kTreeRoot, "verify_tree_from_ids", "parents[%lld, 0] = %lld must be -1 (node 0 is the root)",  \
     e.i, e.value)                                                                                  \
   X(kTreeParent, "verify_tree_from_ids",                                                           \
