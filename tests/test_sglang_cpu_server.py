@@ -14,6 +14,7 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -155,6 +156,8 @@ def test_server_log_names_our_worker_and_kernels(servers):
     assert f"sglang-dflash: speculative algorithm DFLASH runs worker {worker}" in log
     assert "sglang-dflash: first verify on cpu ran sglang_dflash kernels" in log
     assert "sglang-dflash: 1 draft attention layers run block_attention in TARGET_VERIFY" in log
+    assert re.search(r"sglang-dflash: [1-9]\d* draft RMSNorms and the q/k norm \+ RoPE of 1 draft attentions run "
+                     r"rms_norm_rope", log)
     assert "DFlashKernelWorker" not in base.text()
 
 

@@ -186,7 +186,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
         """Self-tests each op this worker would run on `device` (ops/self_test.py) and switches on
         those that pass; the rest keep SGLang's own path. Returns the ops that run ours."""
         from sglang_dflash.ops import self_test
-        from sglang_dflash.sglang import attention
+        from sglang_dflash.sglang import attention, draft_norms
         from sglang_dflash.sglang.context_kv import ContextKVWriter
 
         plan = {}
@@ -199,9 +199,14 @@ class DFlashKernelWorker(DFlashWorkerV2):
         context_kv = ContextKVWriter.for_worker(self)
         if context_kv is not None:
             plan["materialize_context_kv"] = [context_kv.self_test_case()]
-        if device.type == "cpu":  # the draft head and, with SGLang's CPU engine, its linear layers
+        if device.type == "cpu":  # the draft head and, with SGLang's CPU engine, its linear layers; the draft norms
             plan["skinny_linear"] = [self.model_runner.model_config.dtype]
+            plan["rms_norm_rope"] = [self.model_runner.model_config.dtype]
         ours = self_test.select(device, plan, fallback="SGLang's own path")
+        if "rms_norm_rope" in ours:
+            norms, attentions = draft_norms.install_draft_norms(self.draft_model, device)
+            logger.info("sglang-dflash: %d draft RMSNorms and the q/k norm + RoPE of %d draft attentions run "
+                        "rms_norm_rope", norms, attentions)
         if "block_attention" in ours:
             n_layers = attention.install_draft_attention(self)
             logger.info("sglang-dflash: %d draft attention layers run block_attention in TARGET_VERIFY", n_layers)
