@@ -28,10 +28,11 @@ batch size's model, rescaled to its first timed step.
 
 Exploration: the first batch size times the largest size (which tests every draft position), 2
 and 1 first, two steps each, in turns (one noisy step each once made a few slow early steps look
-like the cost of the small sizes); then every `explore_every`-th step plays a neighbour of b*, at the small cost of a
-size next to the best: b* + 1 tests the first draft position the chosen blocks leave untested, so
-the choice can grow again when drafts start to pay; every other exploration (and always at b* =
-max) plays b* - 1 instead, so the step-time model keeps seeing two sizes. Steps of one size alone
+like the cost of the small sizes); then every `explore_every`-th step plays another size near b*,
+at a small cost: b* + 1 tests the first draft position the chosen blocks leave untested, so the
+choice can grow again when drafts start to pay; every 4th exploration (every 2nd at b* = max,
+where there is no b* + 1) plays b* // 2 instead, so the step-time model keeps seeing sizes rows
+apart. Steps of one size alone
 cannot tell a row's cost from the plain step's: after a few slow early steps at small sizes the
 model once took rows for nearly free, chose the largest size, and, exploring only upwards, never
 played anything else again (HumanEval, T = 1: B = 8 on 99 % of steps, 0.90x plain where B = 4

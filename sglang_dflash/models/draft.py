@@ -27,9 +27,11 @@ from sglang_dflash.ops import block_attention, materialize_context_kv, rms_norm_
 
 
 def _kernel_applies(op: str, x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """Whether the CPU inference kernel `op` may stand in for the PyTorch math on x: on the CPU,
-    nothing that needs autograd, and the kernel passed its self-test."""
+    """Whether the CPU inference kernel `op` may stand in for the PyTorch math on x (with these
+    parameters): on the CPU, parameters in x's dtype, nothing that needs autograd, and the kernel
+    passed its self-test."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(p.dtype == x.dtype for p in params)
             and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
             and runs_ours(op, x.device))
 
@@ -41,7 +43,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _kernel_applies("rms_norm_rope", x, self.weight) and x.dtype == self.weight.dtype:
+        if _kernel_applies("rms_norm_rope", x, self.weight):
             return rms_norm_rope(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -75,7 +77,7 @@ class Rotary:
         return self.model.cos_sin_table(int(self.positions.max()) + 1 if self.positions.numel() else 0)
 
     def norm_rope(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        if _kernel_applies("rms_norm_rope", x, norm.weight) and x.dtype == norm.weight.dtype:
+        if _kernel_applies("rms_norm_rope", x, norm.weight):
             return rms_norm_rope(x, norm.weight, norm.eps, self.table, self.positions)
         return apply_rope(norm(x), *self.cos_sin)
 
