@@ -8,6 +8,8 @@ the memory roofline of a kernel that streams its inputs once), and writes the ta
 bench/results/cpu_ops.json. skinny_linear's baseline is torch's own F.linear (BLAS),
 the op it replaces; its weights are SmolLM2-135M's shapes, as many copies as the model has
 layers, so they stream from memory as in a decode step rather than sitting in cache.
+target_verify times a whole verify forward of the packaged target against the attention mask path
+it replaced (alternating calls).
 
     python bench/bench_ops.py [--quick] [--out bench/results/cpu_ops.json]
 """
@@ -209,6 +211,61 @@ def bench_draft_forward(block_size, repeats):
                 kernel_GBps=weights / kernel / 1e9)
 
 
+@contextlib.contextmanager
+def per_layer_mask_path():
+    """The grouped attention as it was before it kept its prepared mask: every layer repeats HF's
+    boolean mask over its query group (a copy) and SDPA converts it to additive itself."""
+    from sglang_dflash.engine import grouped_attention
+
+    def repeated_bool_mask(mask, group, kv, dtype):
+        mask = mask[..., :kv]
+        bs, heads, q = mask.shape[:3]
+        return mask[:, :, None].expand(bs, heads, group, q, kv).reshape(bs, heads, group * q, kv)
+
+    saved = grouped_attention.grouped_additive_mask
+    grouped_attention.grouped_additive_mask = repeated_bool_mask
+    try:
+        yield
+    finally:
+        grouped_attention.grouped_additive_mask = saved
+
+
+def bench_target_verify(shape, repeats):
+    """One verify forward of the packaged SmolLM2-135M target (fp32, bs 1, `context` tokens) over
+    a block, rolled back after each call: its attention with the mask prepared once per forward,
+    against the per-layer mask path it replaced. Both include the whole target forward."""
+    from sglang_dflash.engine import HFTarget
+    from sglang_dflash.engine.packaged import model_dir
+
+    block_size, context = shape
+    target = HFTarget.from_pretrained(model_dir("smollm2-135m"))
+    gen = torch.Generator().manual_seed(0)
+    target.prefill([torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()])
+    tokens = torch.randint(0, target.vocab_size, (1, block_size), generator=gen)
+    positions = torch.arange(context, context + block_size)[None]
+    keep_none = torch.zeros(1, dtype=torch.int64)
+
+    def step():
+        target.verify(tokens, positions)
+        target.commit(keep_none)
+
+    def timed() -> float:
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+
+    times, baseline_times = [], []
+    for _ in range(3 + repeats * 4):  # alternating, so a drift of the machine falls on both
+        times.append(timed())
+        with per_layer_mask_path():
+            baseline_times.append(timed())
+    kernel, baseline = statistics.median(times[3:]), statistics.median(baseline_times[3:])
+    weights = sum(p.nbytes for p in target.model.parameters())
+    return dict(op="target_verify", B=block_size, ctx=context, dtype="float32", baseline="per-layer mask",
+                kernel_ms=kernel * 1e3, reference_ms=baseline * 1e3, ratio=baseline / kernel,
+                kernel_GBps=weights / kernel / 1e9)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="first shape of each op, few repeats")
@@ -221,6 +278,7 @@ def main():
     jobs += [(bench_skinny_linear, s) for s in LINEAR_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_rms_norm_rope, s) for s in NORM_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_draft_forward, b) for b in [2, 4, 8][: 1 if opts.quick else None]]
+    jobs += [(bench_target_verify, s) for s in [(2, 300), (4, 300), (8, 300), (4, 1500)][: 1 if opts.quick else None]]
     # This VM's memory bandwidth drifts (27-53 GB/s seen on one machine): the best of a probe
     # before and one after the cases.
     before = read_bandwidth()
