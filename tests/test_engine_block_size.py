@@ -117,8 +117,9 @@ def test_comes_back_to_longer_blocks_when_acceptance_returns():
 
 def test_explores_a_neighbour_of_the_best_size_periodically():
     """Every explore_every-th step plays b* + 1 (which tests the first draft position the chosen
-    blocks leave untested) or, every 4th time, b* // 2 (so the step-time model keeps a contrast
-    between sizes); at b* = 1 only upwards, at b* = max downwards every 2nd time."""
+    blocks leave untested), every 4th time b* // 2 and every 4th time after that a plain step (so
+    the step-time model keeps contrasts between sizes, and the plain step's own time); at b* = 1
+    only upwards, at b* = max downwards every 2nd time."""
     first_tries = 9
 
     def explorations(c, rates, turns):
@@ -129,16 +130,18 @@ def test_explores_a_neighbour_of_the_best_size_periodically():
     chosen, explored = explorations(BlockSizeController(4, explore_every=8), [0.02] * 3, 12)
     assert explored == [2] * 12 and chosen.count(1) >= len(chosen) - 12, chosen
     chosen, explored = explorations(BlockSizeController(4, explore_every=8), [0.97] * 3, 12)
-    assert explored.count(2) == 6 and chosen.count(4) >= len(chosen) - 6 - 2, chosen
+    assert explored.count(2) == 3 and explored.count(1) == 3 and chosen.count(4) >= len(chosen) - 6 - 2, chosen
     chosen, explored = explorations(BlockSizeController(8, explore_every=8), [0.55] * 7, 40)
     best = max(set(chosen), key=chosen.count)
-    assert 1 < best < 8 and explored.count(best + 1) >= 20 and explored.count(best // 2) >= 5, (best, explored)
+    assert 1 < best < 8 and explored.count(best + 1) >= 15 and explored.count(best // 2) >= 5, (best, explored)
+    assert explored.count(1) >= 5, explored
 
 
 def test_recovers_from_slow_first_steps_at_small_sizes():
     """Plain and two-row steps timed during a slow spell (2x) made the model take rows for nearly
     free; exploring only upwards it then played the largest size for good (6 of these 8 runs;
-    HumanEval at T = 1: 0.90x plain). Now every run comes back to the best fixed size."""
+    HumanEval at T = 1: 0.90x plain, here 80 % of the best size's rate). Now every run comes back to
+    the best fixed size or its neighbour, within 5 % of its rate (sizes 3 and 4 are 3.5 % apart)."""
     rates = [0.39, 0.37, 0.2, 0.3, 0.3, 0.3, 0.3]
 
     def expected_rate(b):  # expected tokens per second of fixed size b
@@ -156,7 +159,8 @@ def test_recovers_from_slow_first_steps_at_small_sizes():
             c.observe(b, [accepted_run(rates, b, rng)], sim_seconds(b, 1) * (2.0 if i < 9 and b < 8 else 1.0))
             chosen.append(b)
         late = chosen[-200:]
-        assert max(set(late), key=late.count) == best, (seed, late)
+        assert abs(max(set(late), key=late.count) - best) <= 1, (seed, late)
+        assert sum(expected_rate(b) for b in late) / len(late) >= 0.95 * expected_rate(best), (seed, late)
 
 
 def sim_seconds(block_size: int, batch_size: int) -> float:
@@ -166,7 +170,15 @@ def sim_seconds(block_size: int, batch_size: int) -> float:
             + 0.0025 * max(block_size - 2, 0) * batch_size)
 
 
-def simulate(policy, phases: list[list[float]], batch_size: int, seed: int, steps_per_phase: int = 1500) -> float:
+def convex_sim_seconds(block_size: int, batch_size: int) -> float:
+    """As sim_seconds, but rows cost what bench_e2e's block sweep measured on this CPU at batch size
+    1: rows 3 and 4 +2.1 ms each, each row past skinny_linear's 4-row tile +2.9 ms."""
+    rows = 0.0021 * min(max(block_size - 2, 0), 2) + 0.0029 * max(block_size - 4, 0)
+    return 0.036 * (1 + 0.15 * (batch_size - 1)) + 0.0065 * (block_size > 1) + rows * batch_size
+
+
+def simulate(policy, phases: list[list[float]], batch_size: int, seed: int, steps_per_phase: int = 1500,
+             seconds_of=sim_seconds) -> float:
     """Tokens per second of `policy` (a controller, or a fixed block size) over the phases' acceptance
     rates, with this CPU's step-time noise: +-15 % lognormal jitter that persists over ~10 steps,
     3 % of steps 1.8x, the first step at each size 1.5x, and the machine 1.3x slower for the middle
@@ -181,7 +193,7 @@ def simulate(policy, phases: list[list[float]], batch_size: int, seed: int, step
             log_noise = 0.9 * log_noise + 0.436 * noise_rng.gauss(0.0, 0.15)  # sd 0.15, autocorrelation 0.9
             outlier = 1.8 if noise_rng.random() < 0.03 else 1.0
             slow = 1.3 if phase == 0 and steps_per_phase // 3 <= i < 2 * steps_per_phase // 3 else 1.0
-            t = sim_seconds(b, batch_size) * slow * math.exp(log_noise) * outlier * (1.5 if b not in first else 1.0)
+            t = seconds_of(b, batch_size) * slow * math.exp(log_noise) * outlier * (1.5 if b not in first else 1.0)
             first.add(b)
             if not isinstance(policy, int):
                 policy.observe(b, accepted, t)
@@ -209,6 +221,18 @@ def test_never_slower_than_the_best_fixed_block_size(phases, batch_size):
         adaptive = simulate(BlockSizeController(8), phases, batch_size, seed)
         ratios.append(adaptive / max(simulate(b, phases, batch_size, seed) for b in range(1, 9)))
     assert sum(ratios) / len(ratios) >= 0.97, ratios
+
+
+def test_no_lock_in_when_rows_past_four_cost_more():
+    """Long blocks that pay (DEEP) on this CPU's convex row costs: the linear step-time model once
+    locked some runs onto a too-large size (one of these five made 79 % of the best fixed size's
+    rate; mean 94.5 %). A plain step among the explorations at b* >= 4 keeps the plain step's time,
+    and so the split between a step's base and its rows, known."""
+    ratios = []
+    for seed in range(7, 12):
+        adaptive = simulate(BlockSizeController(8), [DEEP], 1, seed, 800, convex_sim_seconds)
+        ratios.append(adaptive / max(simulate(b, [DEEP], 1, seed, 800, convex_sim_seconds) for b in range(1, 9)))
+    assert min(ratios) >= 0.95 and sum(ratios) / len(ratios) >= 0.97, ratios
 
 
 def test_rarely_tested_positions_keep_what_they_learned():

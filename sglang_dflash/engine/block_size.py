@@ -32,11 +32,14 @@ like the cost of the small sizes); then every `explore_every`-th step plays anot
 at a small cost: b* + 1 tests the first draft position the chosen blocks leave untested, so the
 choice can grow again when drafts start to pay; every 4th exploration (every 2nd at b* = max,
 where there is no b* + 1) plays b* // 2 instead, so the step-time model keeps seeing sizes rows
-apart. Steps of one size alone
-cannot tell a row's cost from the plain step's: after a few slow early steps at small sizes the
-model once took rows for nearly free, chose the largest size, and, exploring only upwards, never
-played anything else again (HumanEval, T = 1: B = 8 on 99 % of steps, 0.90x plain where B = 4
-made 1.21x). The block size never changes the output: every step is a lossless verify.
+apart, and at b* >= 4 every 4th after that a plain step (b* // 2 is no plain step there). Steps of
+one size alone cannot tell a row's cost from the plain step's: after a few slow early steps at small
+sizes the model once took rows for nearly free, chose the largest size, and, exploring only
+upwards, never played anything else again (HumanEval, T = 1: B = 8 on 99 % of steps, 0.90x plain
+where B = 4 made 1.21x). Without plain steps the model's base and jump drift apart unchecked, and on
+this CPU, where rows past four cost more than the model's one slope says, a run could settle on a
+too-large size (simulated: 79 % of the best fixed size's rate). The block size never changes the
+output: every step is a lossless verify.
 """
 
 from __future__ import annotations
@@ -146,8 +149,11 @@ class BlockSizeController:
         rate = [e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True)]
         best = 1 + max(range(self.max_block_size), key=rate.__getitem__)  # smallest b on ties
         if self._steps % self.explore_every == self.explore_every - 1:
-            # Upwards, except every 4th time (every 2nd at the largest size, where up is no option).
+            # Upwards, except every 4th time (every 2nd at the largest size, where up is no option)
+            # half as long, and every 4th time after that plain.
             turn = self._steps // self.explore_every
+            if best >= 4 and turn % 4 == 3:
+                return self._decide(1, "explore", expected, seconds)
             if best > 1 and turn % (2 if best == self.max_block_size else 4) == 1:
                 return self._decide(max(1, best // 2), "explore", expected, seconds)
             if best < self.max_block_size:
