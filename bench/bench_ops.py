@@ -218,9 +218,7 @@ def per_layer_mask_path():
     from sglang_dflash.engine import grouped_attention
 
     def repeated_bool_mask(mask, group, kv, dtype):
-        mask = mask[..., :kv]
-        bs, heads, q = mask.shape[:3]
-        return mask[:, :, None].expand(bs, heads, group, q, kv).reshape(bs, heads, group * q, kv)
+        return grouped_attention.repeat_over_group(mask[..., :kv], group)
 
     saved = grouped_attention.grouped_additive_mask
     grouped_attention.grouped_additive_mask = repeated_bool_mask

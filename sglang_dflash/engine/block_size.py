@@ -149,13 +149,13 @@ class BlockSizeController:
         rate = [e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True)]
         best = 1 + max(range(self.max_block_size), key=rate.__getitem__)  # smallest b on ties
         if self._steps % self.explore_every == self.explore_every - 1:
-            # Upwards, except every 4th time (every 2nd at the largest size, where up is no option)
-            # half as long, and every 4th time after that plain.
+            # b* + 1, except: b* // 2 every 4th turn (every 2nd at the largest size, where there is
+            # no b* + 1), and a plain step two turns later when b* // 2 is none.
             turn = self._steps // self.explore_every
             if best >= 4 and turn % 4 == 3:
                 return self._decide(1, "explore", expected, seconds)
             if best > 1 and turn % (2 if best == self.max_block_size else 4) == 1:
-                return self._decide(max(1, best // 2), "explore", expected, seconds)
+                return self._decide(best // 2, "explore", expected, seconds)
             if best < self.max_block_size:
                 return self._decide(best + 1, "explore", expected, seconds)
         return self._decide(best, "best", expected, seconds)

@@ -26,6 +26,13 @@ from transformers.masking_utils import sdpa_mask
 
 NAME = "sdpa_grouped"
 
+def repeat_over_group(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """mask [bs | 1, 1, q, kv] -> [bs | 1, 1, group * q, kv]: the rows of each of the `group` query
+    heads folded into the rows (head-major, as `query.reshape` folds them)."""
+    bs, heads, q, kv = mask.shape
+    return mask[:, :, None].expand(bs, heads, group, q, kv).reshape(bs, heads, group * q, kv)
+
+
 _last = threading.local()  # .entry: (weakref to the source mask, (version, group, kv, dtype), prepared)
 
 
@@ -44,8 +51,7 @@ def grouped_additive_mask(attention_mask: torch.Tensor, group: int, kv: int, dty
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     else:
         mask = mask.to(dtype)
-    bs, heads, q = mask.shape[:3]
-    prepared = mask[:, :, None].expand(bs, heads, group, q, kv).reshape(bs, heads, group * q, kv)
+    prepared = repeat_over_group(mask, group)
     holder = _last.__dict__  # this thread's; the callback may run on another thread
 
     def drop(ref: weakref.ref) -> None:

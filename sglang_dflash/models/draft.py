@@ -23,17 +23,14 @@ from torch import nn
 from sglang_dflash.models.config import DFlashConfig
 from sglang_dflash.models.context_cache import ContextCache
 from sglang_dflash.models.skinny import SkinnyLinear, linear
-from sglang_dflash.ops import block_attention, materialize_context_kv, rms_norm_rope, runs_ours
+from sglang_dflash.ops import block_attention, cpu_kernel_applies, materialize_context_kv, rms_norm_rope
 
 
 def _kernel_applies(op: str, x: torch.Tensor, *params: torch.Tensor) -> bool:
     """Whether the CPU inference kernel `op` may stand in for the PyTorch math on x (with these
-    parameters): on the CPU, parameters in x's dtype, nothing that needs autograd, and the kernel
-    passed its self-test."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(p.dtype == x.dtype for p in params)
-            and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
-            and runs_ours(op, x.device))
+    parameters): `cpu_kernel_applies`, and nothing that needs autograd (training runs this model)."""
+    return (not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
+            and cpu_kernel_applies(op, x, *params))
 
 
 class RMSNorm(nn.Module):

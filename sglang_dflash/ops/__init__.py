@@ -24,6 +24,7 @@ __all__ = [
     "block_attention",
     "canonical_device",
     "check_device_errors",
+    "cpu_kernel_applies",
     "gumbel_argmax",
     "materialize_context_kv",
     "rms_norm_rope",
@@ -55,6 +56,14 @@ def use_reference(op: str, device: torch.device | str) -> None:
 def runs_ours(op: str, device: torch.device | str) -> bool:
     """Whether `op` runs our kernel (not the reference) for tensors on `device`."""
     return not _REFERENCE_ON or (op, canonical_device(device)) not in _REFERENCE_ON
+
+
+def cpu_kernel_applies(op: str, x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether the CPU kernel `op` (rms_norm_rope, materialize_context_kv) may take x with these
+    parameters: on the CPU, a float dtype shared by x and the parameters, and the kernel passed its
+    self-test. (These kernels have no backward: a caller that may train checks autograd too.)"""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(p.dtype == x.dtype for p in params) and runs_ours(op, x.device))
 
 
 def _impl(op: str, device: torch.device) -> Callable:

@@ -20,7 +20,7 @@ SGLang's modules, so plain and verify numerics are untouched), on the CPU:
 
 Drafts only propose, so neither can change the served output; they change the draft numbers by
 fp32 rounding at most (one rounding instead of SGLang's per-op ones). A call the wrapper does not
-cover (another device or dtype, arguments it does not know) goes to SGLang's forward.
+cover (another device or dtype, autograd, arguments it does not know) goes to SGLang's forward.
 """
 
 from __future__ import annotations
@@ -32,14 +32,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 _ORIGINAL = "_sglang_dflash_original_forward"
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    from sglang_dflash.ops import runs_ours
-
-    return (x.device.type == "cpu" and x.dtype in _FLOATS and weight.dtype == x.dtype
-            and runs_ours("rms_norm_rope", x.device))
 
 
 def _plain_rms_norm(norm) -> bool:
@@ -51,13 +43,14 @@ def _plain_rms_norm(norm) -> bool:
 
 
 def _wrap_norm(norm) -> None:
-    from sglang_dflash.ops import rms_norm_rope
+    from sglang_dflash.ops import cpu_kernel_applies, rms_norm_rope
 
     original = norm.forward
 
     def forward(x, residual=None, *args, _norm=norm, _original=original, **kwargs):
-        if any(a is not None for a in (*args, *kwargs.values())) or not _runs(x, _norm.weight):
-            return _original(x, residual, *args, **kwargs)  # a post-residual addition, a fused quant: SGLang's
+        extra = any(a is not None for a in (*args, *kwargs.values()))  # a post-residual addition, a fused quant
+        if extra or not cpu_kernel_applies("rms_norm_rope", x, _norm.weight):
+            return _original(x, residual, *args, **kwargs)
         if residual is not None:
             x = residual = x + residual
         out = rms_norm_rope(x, _norm.weight, _norm.variance_epsilon)
@@ -77,12 +70,12 @@ def _covered_attention(attn) -> bool:
 
 
 def _wrap_attention(attn) -> None:
-    from sglang_dflash.ops import rms_norm_rope
+    from sglang_dflash.ops import cpu_kernel_applies, rms_norm_rope
 
     original = attn.forward
 
     def forward(positions, hidden_states, forward_batch, _a=attn, _original=original):
-        if not _runs(hidden_states, _a.q_norm.weight):
+        if not cpu_kernel_applies("rms_norm_rope", hidden_states, _a.q_norm.weight, _a.k_norm.weight):
             return _original(positions=positions, hidden_states=hidden_states, forward_batch=forward_batch)
         qkv, _ = _a.qkv_proj(hidden_states)
         q, k, v = qkv.split([_a.q_size, _a.kv_size, _a.kv_size], dim=-1)
