@@ -33,6 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from provenance import run_info  # noqa: E402  (this script's folder)
 
 from sglang_dflash import ops  # noqa: E402
+from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft  # noqa: E402
+from sglang_dflash.engine.packaged import model_dir  # noqa: E402
 from sglang_dflash.ops import reference  # noqa: E402
 from sglang_dflash.ops.testing import make_attention_inputs as make_inputs  # noqa: E402
 
@@ -191,7 +193,6 @@ def bench_rms_norm_rope(shape, repeats):
 def bench_draft_forward(block_size, repeats):
     """One forward of the shipped drafter (bs 1, 300 context tokens) with its CPU kernels
     (rms_norm_rope) and with the PyTorch ops they replace; the matmuls run skinny_linear in both."""
-    from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
     from sglang_dflash.models import load_draft
 
     draft = load_draft(resolve_draft(SHIPPED_DRAFTER), dtype=torch.bfloat16)
@@ -209,6 +210,9 @@ def bench_draft_forward(block_size, repeats):
     return dict(op="draft_forward", B=block_size, layers=len(draft.layers), dtype="bfloat16", baseline="torch ops",
                 kernel_ms=kernel * 1e3, reference_ms=torch_ops * 1e3, ratio=torch_ops / kernel,
                 kernel_GBps=weights / kernel / 1e9)
+
+
+TARGET = "smollm2-135m"  # the packaged target of the target_verify rows
 
 
 @contextlib.contextmanager
@@ -233,10 +237,9 @@ def bench_target_verify(shape, repeats):
     a block, rolled back after each call: its attention with the mask prepared once per forward,
     against the per-layer mask path it replaced. Both include the whole target forward."""
     from sglang_dflash.engine import HFTarget
-    from sglang_dflash.engine.packaged import model_dir
 
     block_size, context = shape
-    target = HFTarget.from_pretrained(model_dir("smollm2-135m"))
+    target = HFTarget.from_pretrained(model_dir(TARGET))
     gen = torch.Generator().manual_seed(0)
     target.prefill([torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()])
     tokens = torch.randint(0, target.vocab_size, (1, block_size), generator=gen)
@@ -269,7 +272,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="first shape of each op, few repeats")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_ops.json"))
     opts = parser.parse_args()
-    info = run_info({})  # random weights; collected before the run loads the machine
+    # The draft_forward and target_verify rows run the shipped drafter and the packaged target;
+    # the other ops random inputs. Collected before the run loads the machine.
+    info = run_info({"target": model_dir(TARGET), "draft": resolve_draft(SHIPPED_DRAFTER)})
     repeats = 3 if opts.quick else 10
     jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
