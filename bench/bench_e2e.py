@@ -29,6 +29,7 @@ import importlib.metadata
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from provenance import run_info
 from tqdm import tqdm
@@ -112,9 +113,34 @@ def tree_against_chain(rows: list[dict]) -> list[dict]:
     return out
 
 
+def resampled_speedup(row: dict, picks: np.ndarray) -> np.ndarray:
+    """A row's speedup over plain decoding when its prompts are drawn as `picks` [resamples, n]
+    (indices into its prompts): total tokens over total seconds, speculative against plain."""
+    def rate(name):
+        runs = np.asarray(row["per_prompt"][name], dtype=float)  # [prompts, (tokens, seconds)]
+        return runs[picks, 0].sum(1) / runs[picks, 1].sum(1)
+
+    return rate("spec") / rate("plain")
+
+
+def vs_best_fixed_interval(rows: list[dict], row: dict, resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """5th and 95th percentiles of adaptive / best fixed speedup (plain counted as 1.0) over
+    bootstrap resamples of the prompts (every run of a resample gets the same prompts, and the best
+    fixed size is picked anew in each, as a best-of-run is); None for rows without per-prompt data."""
+    fixed = fixed_chains_of(rows, row)
+    if "per_prompt" not in row or any("per_prompt" not in r for r in fixed):
+        return None
+    n = len(row["per_prompt"]["spec"])
+    picks = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    best = np.maximum.reduce([np.ones(resamples)] + [resampled_speedup(r, picks) for r in fixed])
+    low, high = np.percentile(resampled_speedup(row, picks) / best, [5, 95])
+    return [float(low), float(high)]
+
+
 def adaptive_against_fixed(rows: list[dict]) -> list[dict]:
     """Per dataset, temperature and adaptive maximum: its speedup over the best fixed block size
-    of the same run (plain decoding, speedup 1.0, counted as a fixed size) and over plain."""
+    of the same run (plain decoding, speedup 1.0, counted as a fixed size) and over plain, with the
+    ratio's 90 % interval over resampled prompts (vs_best_fixed_interval)."""
     out = []
     for row in rows:
         if not row.get("adaptive"):
@@ -125,14 +151,23 @@ def adaptive_against_fixed(rows: list[dict]) -> list[dict]:
             best_speedup, best_label = best["speedup"], block_label(best)
         out.append({"dataset": row["dataset"], "temperature": row["temperature"], "adaptive": block_label(row),
                     "speedup": row["speedup"], "best_fixed": best_label, "best_fixed_speedup": best_speedup,
-                    "vs_best_fixed": row["speedup"] / best_speedup})
+                    "vs_best_fixed": row["speedup"] / best_speedup,
+                    "vs_best_fixed_interval": vs_best_fixed_interval(rows, row)})
     return out
+
+
+def ratio_text(against: dict) -> str:
+    """"0.96 (0.91-1.01)": adaptive / best fixed and its 90 % interval over prompts, where known."""
+    interval = against.get("vs_best_fixed_interval")
+    text = f"{against['vs_best_fixed']:.2f}"
+    return text if interval is None else f"{text} ({interval[0]:.2f}-{interval[1]:.2f})"
 
 
 def markdown_table(rows: list[dict]) -> str:
     """The README table of a run: per dataset and temperature, tau and speedup over plain at each
     fixed block size, the adaptive block size's speedup (its mean block size), and the adaptive
-    speedup over the best fixed one (plain, 1.00x, counted); the best speedup of a row in bold."""
+    speedup over the best fixed one (plain, 1.00x, counted) with its interval over prompts; the
+    best speedup of a row in bold."""
     fixed = sorted({r["block_size"] for r in rows if is_fixed_chain(r)})
     adaptive = sorted({r["block_size"] for r in rows if r.get("adaptive")})
     trees = sorted({r["tree_budget"] for r in rows if r.get("tree_budget")})
@@ -155,7 +190,7 @@ def markdown_table(rows: list[dict]) -> str:
                   + [f"{by_budget[n]['tau_token_weighted']:.2f}" for n in trees]
                   + [speed(by_size[b, False]) for b in fixed] + [speed(by_budget[n]) for n in trees]
                   + [speed(by_size[b, True], f" ({by_size[b, True]['mean_block_size']:.1f})") for b in adaptive]
-                  + [f"{vs_best[dataset, temperature, f'≤{b}']['vs_best_fixed']:.2f}" for b in adaptive])
+                  + [ratio_text(vs_best[dataset, temperature, f"≤{b}"]) for b in adaptive])
         lines.append(f"| {dataset} | {temperature:g} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
@@ -284,7 +319,7 @@ def main() -> None:
     summary = adaptive_against_fixed(rows)
     for a in summary:
         print(f"{a['dataset']:10s} T={a['temperature']:.1f} adaptive B={a['adaptive']}: {a['speedup']:.2f}x plain, "
-              f"{a['vs_best_fixed']:.3f} of the best fixed B={a['best_fixed']} ({a['best_fixed_speedup']:.2f}x)")
+              f"{ratio_text(a)} of the best fixed B={a['best_fixed']} ({a['best_fixed_speedup']:.2f}x)")
     trees = tree_against_chain(rows)
     for t in trees:
         print(f"{t['dataset']:10s} T={t['temperature']:.1f} {t['tree']}: tau {t['tau']:.2f} = "

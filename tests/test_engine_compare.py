@@ -16,6 +16,8 @@ from sglang_dflash.models import load_draft
 from tests.dflash_testlib import random_draft, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_e2e  # noqa: E402
 
 
 def plain_tau(c):
@@ -50,6 +52,9 @@ def test_comparison_summary_is_consistent_with_the_runs():
         assert s["speedup"] == pytest.approx(
             s["tau_token_weighted"] / s["spec_step_ms"] / (plain_tau(c) / s["plain_step_ms"]))
         assert 0 < s["draft_ms_per_step"] < s["spec_step_ms"]
+        for name, rate in (("spec", s["spec_tok_s"]), ("plain", s["plain_tok_s"])):
+            tokens, seconds = zip(*s["per_prompt"][name], strict=True)
+            assert len(tokens) == len(prompts) and sum(tokens) / sum(seconds) == pytest.approx(rate)
     assert comparisons[0].plain is comparisons[2].plain, "plain decoding runs once for all block sizes"
     sampled = compare(target, drafter, prompts[:1], [4], SamplingParams(temperature=1.0, max_new_tokens=8),
                       chat=False)[0]
@@ -131,8 +136,43 @@ def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
         assert a["best_fixed_speedup"] == max([1.0, *fixed])
         adaptive = next(c for c in result["cases"] if c["temperature"] == a["temperature"] and c["adaptive"])
         assert a["vs_best_fixed"] == pytest.approx(adaptive["speedup"] / a["best_fixed_speedup"])
+        low, high = a["vs_best_fixed_interval"]
+        assert 0 < low <= high, a
     table = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_e2e.py"), "--table", str(out)],
                            cwd=ROOT, capture_output=True, text=True, env=env, check=True).stdout
     assert table.splitlines()[0].startswith(
         "| dataset | T | tau B=4 | tau B=8 | tau tree6 | B=4 | B=8 | tree6 | B≤4 (mean B) |")
     assert [line.split(" | ")[1] for line in table.splitlines()[2:]] == ["0", "1"]
+
+
+def case(block_size, per_prompt_spec, per_prompt_plain, adaptive=False):
+    """A bench_e2e row from per-prompt (tokens, seconds), its speedup as the benchmark computes it."""
+    def rate(runs):
+        return sum(t for t, _ in runs) / sum(s for _, s in runs)
+
+    return {"dataset": "d", "temperature": 0.0, "block_size": block_size, "adaptive": adaptive, "tree_budget": 0,
+            "speedup": rate(per_prompt_spec) / rate(per_prompt_plain),
+            "per_prompt": {"spec": per_prompt_spec, "plain": per_prompt_plain}}
+
+
+def test_adaptive_against_fixed_interval_over_resampled_prompts():
+    """The 90 % interval of adaptive / best fixed over resampled prompts: a point when every prompt
+    says the same; with fixed sizes that win on different prompts the best is picked per resample,
+    so an adaptive run equal to one of them is never above 1.0; rows of older files have none."""
+    plain = [[100, 4.0], [100, 4.0], [100, 4.0], [100, 4.0]]
+    same = [[100, 2.0]] * 4
+    rows = [case(2, [[100, 2.5]] * 4, plain), case(4, same, plain), case(8, same, plain, adaptive=True)]
+    (against,) = bench_e2e.adaptive_against_fixed(rows)
+    assert against["vs_best_fixed"] == pytest.approx(1.0)
+    assert against["vs_best_fixed_interval"] == pytest.approx([1.0, 1.0])
+    first_good = [[100, 1.0], [100, 3.0], [100, 3.0], [100, 3.0]]
+    last_good = [[100, 3.0], [100, 3.0], [100, 3.0], [100, 1.0]]
+    rows = [case(2, first_good, plain), case(4, last_good, plain), case(8, first_good, plain, adaptive=True)]
+    (against,) = bench_e2e.adaptive_against_fixed(rows)
+    low, high = against["vs_best_fixed_interval"]
+    assert against["vs_best_fixed"] == pytest.approx(1.0) and low < 0.9 and high == pytest.approx(1.0)
+    assert bench_e2e.ratio_text(against) == f"1.00 ({low:.2f}-1.00)"
+    for row in rows:
+        del row["per_prompt"]
+    (against,) = bench_e2e.adaptive_against_fixed(rows)
+    assert against["vs_best_fixed_interval"] is None and bench_e2e.ratio_text(against) == "1.00"

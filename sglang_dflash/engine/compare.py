@@ -40,8 +40,9 @@ class Comparison:
         """tau (token-weighted: committed tokens over verify steps; and the mean over prompts),
         speedup of decode tokens/s, the mean time of a speculative step (and its drafting part)
         and of a plain step (speedup = tau * plain step / spec step), the accepted-drafts
-        histogram, the mean block size verified, and whether every speculative output equals the
-        plain one (expected at every temperature: both sample each position with the same noise)."""
+        histogram, the mean block size verified, each prompt's decode tokens and seconds, and
+        whether every speculative output equals the plain one (expected at every temperature:
+        both sample each position with the same noise)."""
         tokens = sum(r.stats.tokens - 1 for r in self.spec)
         steps = sum(r.stats.steps for r in self.spec)
         spec_rate, plain_rate = decode_rate(self.spec), decode_rate(self.plain)
@@ -57,6 +58,9 @@ class Comparison:
             draft_ms_per_step=1e3 * sum(r.stats.draft_s for r in self.spec) / max(steps, 1),
             plain_step_ms=1e3 * decode_seconds(self.plain) / max(sum(r.stats.steps for r in self.plain), 1),
             accept_histogram=[sum(r.stats.accept_hist[k] for r in self.spec) for k in range(self.block_size)],
+            # Per prompt: [decode tokens, decode seconds] of each run, for intervals over prompts.
+            per_prompt={name: [[len(r.output_ids) - 1, r.stats.wall_s - r.stats.prefill_s] for r in results]
+                        for name, results in (("spec", self.spec), ("plain", self.plain))},
             identical_to_plain=all(a.output_ids == b.output_ids for a, b in zip(self.spec, self.plain, strict=True)))
 
 
