@@ -131,7 +131,8 @@ BlockAttentionShape check_block_attention_args(const at::Tensor& q, const at::Te
                                                const at::Tensor& req_to_token,
                                                const at::Tensor& req_pool_indices,
                                                const at::Tensor& ctx_lens, int64_t block_size,
-                                               int64_t window) {
+                                               int64_t window, bool causal_block,
+                                               const std::optional<at::Tensor>& tree_parents) {
   const char* op = "block_attention";
   check_rank(op, "q", q, 3, "[N, Hq, D]");
   check_rank(op, "k_block", k_block, 3, "[N, Hkv, D]");
@@ -184,11 +185,25 @@ BlockAttentionShape check_block_attention_args(const at::Tensor& q, const at::Te
   check_size(op, "v_cache", v_cache, 0, k_cache.size(0), "k_cache.shape[0]");
   check_size(op, "req_pool_indices", req_pool_indices, 0, batch, "bs = N / block_size");
   check_size(op, "ctx_lens", ctx_lens, 0, batch, "bs = N / block_size");
+  if (tree_parents) {
+    const at::Tensor& parents = *tree_parents;
+    check_rank(op, "tree_parents", parents, 2, "[bs, B]");
+    check_index_tensor(op, "tree_parents", parents);
+    check_same_device(op, q, "tree_parents", parents);
+    check_size(op, "tree_parents", parents, 0, batch, "bs = N / block_size");
+    check_size(op, "tree_parents", parents, 1, block_size, "block_size");
+    // A window or causal order over block rows has no meaning for tree nodes, whose positions are
+    // their depths, not their rows.
+    SGLD_CHECK(window < 0, op, "tree_parents cannot be combined with a sliding window (window = ", window, ")");
+    SGLD_CHECK(!causal_block, op, "tree_parents cannot be combined with causal_block (a chain is the tree "
+               "tree_parents[b, i] = i - 1)");
+  }
   return {batch, block_size, q_heads, kv_heads, head_dim};
 }
 
 void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& req_to_token,
-                                   const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens) {
+                                   const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens,
+                                   const std::optional<at::Tensor>& tree_parents) {
   const auto pools = req_pool_indices.to(at::kLong).contiguous();
   const auto lens = ctx_lens.to(at::kLong).contiguous();
   const int64_t n_reqs = req_to_token.size(0), width = req_to_token.size(1);
@@ -203,6 +218,16 @@ void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& 
     if (const auto bad = first_outside(req_to_token[pool[b]].narrow(0, 0, len[b]), 0, n_slots)) {
       fail_index(IndexCheck::kAttentionSlot, pool[b], bad->index, bad->value, n_slots);
     }
+  }
+  if (tree_parents) {
+    const auto parents = tree_parents->to(at::kLong).contiguous();
+    const int64_t nodes = parents.size(1);
+    const int64_t* parent = parents.const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < parents.size(0); ++b)
+      for (int64_t i = 0; i < nodes; ++i) {
+        const int64_t p = parent[b * nodes + i];
+        if (p < -1 || p >= i) fail_index(IndexCheck::kAttentionTreeParent, b, i, p, i);
+      }
   }
 }
 

@@ -13,10 +13,10 @@ at::Tensor block_attention_meta(const at::Tensor& q, const at::Tensor& k_block,
                                 const at::Tensor& v_cache, const at::Tensor& req_to_token,
                                 const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens,
                                 int64_t block_size, double /*sm_scale*/, int64_t window,
-                                bool /*causal_block*/) {
+                                bool causal_block, const std::optional<at::Tensor>& tree_parents) {
   const auto shape = check_block_attention_args(q, k_block, v_block, k_cache, v_cache,
                                                 req_to_token, req_pool_indices, ctx_lens,
-                                                block_size, window);
+                                                block_size, window, causal_block, tree_parents);
   return at::empty({q.size(0), shape.q_heads, shape.head_dim}, q.options());
 }
 

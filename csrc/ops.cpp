@@ -10,7 +10,7 @@ TORCH_LIBRARY(sglang_dflash, m) {
   m.def(
       "block_attention(Tensor q, Tensor k_block, Tensor v_block, Tensor k_cache, Tensor v_cache, "
       "Tensor req_to_token, Tensor req_pool_indices, Tensor ctx_lens, int block_size, "
-      "float sm_scale, int window=-1, bool causal_block=False) -> Tensor");
+      "float sm_scale, int window=-1, bool causal_block=False, Tensor? tree_parents=None) -> Tensor");
   m.def(
       "verify_block(Tensor candidates, Tensor logits, Tensor temperature, Tensor top_k, "
       "Tensor top_p, int seed, Tensor offsets) -> (Tensor accept_len, Tensor bonus, "

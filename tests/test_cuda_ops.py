@@ -139,6 +139,21 @@ def test_block_attention_cpu_test_grid(bs, block, hq, hkv, head_dim, ctx_lens, d
     _assert_close(out, ops.block_attention(**cpu_args, **kwargs), dtype)
 
 
+@pytest.mark.parametrize("bs,nodes,hq,hkv,head_dim,ctx_lens,dtype,seed",
+                         _cpu_cases("test_ops_block_attention", "_tree_cases"))
+@pytest.mark.parametrize("aligned", [True, False])  # the tensor-core path (bf16 / fp16), and the SIMT path
+def test_block_attention_tree_mode(bs, nodes, hq, hkv, head_dim, ctx_lens, dtype, seed, aligned):
+    """The CPU kernel's tree cases (up to 70 nodes: 3 mask words per row): CUDA == reference == CPU."""
+    cpu_args = make_attention_inputs(bs, nodes, hq, hkv, head_dim, ctx_lens, dtype, seed=seed, unaligned=not aligned)
+    parents = make_tree(bs, nodes, 100, torch.Generator().manual_seed(seed), unused=0.1)[1]
+    parents = parents.to(torch.int32 if seed % 2 else torch.int64)
+    _poison_allocator()
+    out = ops.block_attention(**on_device(cpu_args, DEV), block_size=nodes, tree_parents=parents.to(DEV))
+    assert torch.isfinite(out).all()
+    _assert_close(out, reference.block_attention(**cpu_args, block_size=nodes, tree_parents=parents), dtype)
+    _assert_close(out, ops.block_attention(**cpu_args, block_size=nodes, tree_parents=parents), dtype)
+
+
 @pytest.mark.parametrize("d", [64, 80, 128])
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
 def test_block_attention_generic_paths(d, table_dtype):

@@ -11,6 +11,7 @@ import torch
 from sglang_dflash import ops
 from sglang_dflash.ops import reference
 from sglang_dflash.ops.testing import make_attention_inputs as make_inputs
+from sglang_dflash.ops.testing import make_tree
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = list(TOLERANCE)
@@ -124,3 +125,61 @@ def test_a_verify_row_is_bitwise_the_decode_of_that_token(dtype, ctx, block, win
                                      pools, torch.tensor([ctx + i]), 1, sm_scale=0.125, window=window,
                                      causal_block=True)
         assert torch.equal(verify[i], decode[0]), f"row {i}"
+
+
+def _tree_cases():
+    """Trees up to 70 nodes (more than one 64-bit mask word per row), GQA groups, empty and long
+    contexts, both index dtypes."""
+    rng = random.Random(77)
+    heads = [(1, 1), (4, 2), (9, 3), (8, 1)]
+    cases = []
+    for i, (bs, nodes, (hq, hkv), d, dtype) in enumerate(rng.sample(list(itertools.product(
+            [1, 2, 3], [2, 5, 9, 17, 33, 65, 70], heads, [64, 128], DTYPES)), 24)):
+        ctx_lens = [rng.choice([0, 1, rng.randint(2, 130), rng.randint(130, 700)]) for _ in range(bs)]
+        cases.append((bs, nodes, hq, hkv, d, ctx_lens, dtype, i))
+    return cases
+
+
+def tree_parents(bs, nodes, seed, dtype):
+    """Random draft trees' parents (deep chains with branches and unused nodes: make_tree)."""
+    return make_tree(bs, nodes, 100, torch.Generator().manual_seed(seed), unused=0.1)[1].to(dtype)
+
+
+@pytest.mark.parametrize("bs,nodes,hq,hkv,head_dim,ctx_lens,dtype,seed", _tree_cases())
+def test_tree_mode_matches_reference(bs, nodes, hq, hkv, head_dim, ctx_lens, dtype, seed):
+    args = make_inputs(bs, nodes, hq, hkv, head_dim, ctx_lens, dtype, seed=seed)
+    parents = tree_parents(bs, nodes, seed, torch.int32 if seed % 2 else torch.int64)
+    out = ops.block_attention(**args, block_size=nodes, tree_parents=parents)
+    expected = reference.block_attention(**args, block_size=nodes, tree_parents=parents)
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    full = reference.block_attention(**args, block_size=nodes)
+    assert nodes < 3 or (expected.float() - full.float()).abs().max() > 1e-2  # the mask matters here
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_node_is_the_decode_of_its_path(dtype):
+    """Each node's output equals a causal chain verify of its path alone (the context, then the
+    path's K/V in order), i.e. what decoding that path computes; to fp32 rounding, since the path's
+    keys sit at other block rows in the tree."""
+    nodes, hq, hkv, d, ctx = 21, 9, 3, 64, 150
+    args = make_inputs(1, nodes, hq, hkv, d, [ctx], dtype, seed=11)
+    parents = tree_parents(1, nodes, 5, torch.int64)[0]
+    tree = ops.block_attention(**args, block_size=nodes, tree_parents=parents[None])
+    for i in range(nodes):
+        path = [i]
+        while parents[path[-1]] >= 0:
+            path.append(int(parents[path[-1]]))
+        path = path[::-1]
+        chain = dict(args, q=args["q"][path], k_block=args["k_block"][path], v_block=args["v_block"][path])
+        decode = ops.block_attention(**chain, block_size=len(path), causal_block=True)
+        torch.testing.assert_close(tree[i].float(), decode[-1].float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_chain_tree_is_causal_block_bit_for_bit():
+    """The tree whose node i hangs under node i - 1 is the causal block: the same keys at the same
+    rows, so the same bits."""
+    for block, ctx_lens in ((8, [63, 0, 200]), (70, [5, 129, 64])):
+        args = make_inputs(3, block, 8, 2, 64, ctx_lens, torch.bfloat16, seed=block)
+        chain = (torch.arange(block) - 1).expand(3, block)
+        causal = ops.block_attention(**args, block_size=block, causal_block=True)
+        assert torch.equal(ops.block_attention(**args, block_size=block, tree_parents=chain), causal)

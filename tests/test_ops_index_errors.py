@@ -16,16 +16,17 @@ from sglang_dflash.ops import reference
 from tests.kernel_devices import DEVICES
 
 
-def _attention(device, dtype=torch.bfloat16, table=(0, 1, 2), pool=0, ctx=3):
+def _attention(device, dtype=torch.bfloat16, table=(0, 1, 2), pool=0, ctx=3, tree=None):
     """A call of block_attention: one request, block 4, the context in req_to_token row `pool` of 2,
-    a KV cache of 10 slots."""
+    a KV cache of 10 slots; a tree of those 4 nodes when `tree` (its parents) is given."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(4, 2, 64, generator=gen).to(device, dtype)
     kv = torch.randn(4, 1, 64, generator=gen).to(device, dtype)
     cache = torch.randn(10, 1, 64, generator=gen).to(device, dtype)
     req_to_token = torch.tensor([table, table], device=device)
     return lambda: ops.block_attention(q, kv, kv, cache, cache, req_to_token, torch.tensor([pool], device=device),
-                                       torch.tensor([ctx], device=device), 4)
+                                       torch.tensor([ctx], device=device), 4,
+                                       tree_parents=None if tree is None else torch.tensor([tree], device=device))
 
 
 def _verify(device, candidates):
@@ -78,6 +79,11 @@ CASES = {
                        "with 2 rows"),
     "attention_ctx_len": (lambda d: _attention(d, ctx=4),
                           "sglang_dflash.block_attention: ctx_lens[0] = 4 is out of range [0, 3] (req_to_token width)"),
+    "attention_tree_parent": (lambda d: _attention(d, tree=[-1, 0, 2, 1]),
+                              "sglang_dflash.block_attention: tree_parents[0, 2] = 2 is not a node before 2 (or -1)"),
+    "attention_tree_parent_fp32": (lambda d: _attention(d, torch.float32, tree=[-1, 0, -3, 1]),
+                                   "sglang_dflash.block_attention: tree_parents[0, 2] = -3 is not a node before 2 "
+                                   "(or -1)"),
     "verify_candidate": (lambda d: _verify(d, [[1, 2, 3], [4, 5, 500]]),
                          "sglang_dflash.verify_block: candidates[1, 2] = 500 is outside the vocabulary [0, 10) of "
                          "logits"),

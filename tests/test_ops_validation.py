@@ -48,6 +48,13 @@ def _bad_attention_cases():
     yield "last_dim_stride", _set(a, "k_cache", a["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)), {}, \
         "k_cache must have a contiguous last dimension"
     yield "device", _set(a, "v_cache", a["v_cache"].to("meta")), {}, "v_cache is on meta"
+    tree = torch.tensor([[-1, 0, 1, 0], [-1, 0, 0, -1]])
+    yield "tree_rank", a, {"tree_parents": tree[0]}, "tree_parents must be 2-D"
+    yield "tree_nodes", a, {"tree_parents": tree[:, :3]}, r"tree_parents.shape\[1\] must be block_size"
+    yield "tree_dtype", a, {"tree_parents": tree.float()}, "tree_parents must be int32 or int64"
+    yield "tree_window", a, {"tree_parents": tree, "window": 8}, "tree_parents cannot be combined with a sliding window"
+    yield "tree_causal", a, {"tree_parents": tree, "causal_block": True}, "tree_parents cannot be combined with causal"
+    yield "tree_device", a, {"tree_parents": tree.to("meta")}, "tree_parents is on meta"
 
 
 @pytest.mark.parametrize("name,args,kwargs,message", list(_bad_attention_cases()),

@@ -2,13 +2,18 @@
 // share a kv head are processed together, so every context K/V tile is gathered and converted to
 // fp32 once and reused by all of them. Keys (context, then the block's own K/V) stream through in
 // tiles of absolute positions with an online softmax, so a verify row computes bit for bit what
-// decoding its token alone computes. Buffers are allocated once per thread chunk.
+// decoding its token alone computes. In tree mode (tree_parents) a block row sees the context and
+// the block rows of its ancestors only (a bitmask per row, built per task); its keys then sit at
+// other positions than its path's tokens would in decoding, so there the match is to fp32 rounding.
+// Buffers are allocated once per thread chunk.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -75,6 +80,9 @@ struct Problem {
   int64_t block_size, group, kv_heads, head_dim, window;
   bool causal_block;
   float sm_scale;
+  const int64_t* tree_parents;  // [bs, B] in tree mode, else null
+  // Words of one block row's bitmask of the block rows it sees (tree mode).
+  int64_t tree_words() const { return tree_parents ? (block_size + 63) / 64 : 0; }
   // The B x G query rows of one task, and that count rounded up to whole vectors: the row stride
   // of the query and score buffers, so the score GEMM and the softmax never take a scalar tail
   // (B 4 x G 3 = 12 rows would otherwise be computed one column at a time).
@@ -94,10 +102,12 @@ struct Scratch {
   std::vector<float> acc;    // [R, D]  un-normalised output
   std::vector<float> max, sum;       // [R] online-softmax state
   std::vector<float> scale, tile_sum;  // [R] per-tile work: new max / rescale factor, exp sums
+  std::vector<uint64_t> sees;  // [B, words] tree mode: bit c of row i = block row c is i or its ancestor
   Scratch(const Problem& p, int64_t tile)
       : q_t(p.head_dim * p.padded_rows()), k(tile * p.head_dim), v(tile * p.head_dim),
         score(tile * p.padded_rows()), acc(p.padded_rows() * p.head_dim), max(p.padded_rows()),
-        sum(p.padded_rows()), scale(p.padded_rows()), tile_sum(p.padded_rows()) {}
+        sum(p.padded_rows()), scale(p.padded_rows()), tile_sum(p.padded_rows()),
+        sees(p.block_size * p.tree_words()) {}
 };
 
 // Online-softmax update of all R query rows with one tile of `n` keys whose scores are in
@@ -204,9 +214,23 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
       // (verify). Row i (position ctx + i) sees context token j when ctx + i - j < window.
       const int64_t first = p.window >= 1 ? std::max<int64_t>(0, ctx - p.window + 1) : 0;
       const int64_t end = ctx + B;
+      const int64_t words = p.tree_words();
+      if (words) {  // parents come first (checked), so a parent's row is complete when a child copies it
+        const int64_t* parent = p.tree_parents + b * B;
+        for (int64_t i = 0; i < B; ++i) {
+          uint64_t* row = s.sees.data() + i * words;
+          if (parent[i] >= 0) {
+            std::copy_n(s.sees.data() + parent[i] * words, words, row);
+          } else {
+            std::fill_n(row, words, uint64_t{0});
+          }
+          row[i / 64] |= uint64_t{1} << (i % 64);
+        }
+      }
       auto visible = [&](int64_t i, int64_t pos) {
         if (pos < ctx) return p.window < 1 || ctx + i - pos < p.window;
         const int64_t c = pos - ctx;
+        if (words) return ((s.sees[i * words + c / 64] >> (c % 64)) & 1) != 0;
         return !(p.causal_block && c > i) && (p.window < 1 || std::abs(i - c) < p.window);
       };
       for (int64_t t0 = first / kTile * kTile; t0 < end; t0 += kTile) {
@@ -222,7 +246,8 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
             v = vb_ptr + (b * B + pos - ctx) * v_block.stride(0) + h * v_block.stride(1);
           }
         });
-        const bool masked = p.window >= 1 || t0 < first || (p.causal_block && t0 + n > ctx + 1);
+        const bool masked = p.window >= 1 || t0 < first || (p.causal_block && t0 + n > ctx + 1) ||
+                            (words && t0 + n > ctx);
         attend_tile(s, p, n, masked, [&](int64_t i, int64_t c) { return visible(i, t0 + c); });
       }
 
@@ -246,22 +271,24 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
                            const at::Tensor& v_cache, const at::Tensor& req_to_token,
                            const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens,
                            int64_t block_size, double sm_scale, int64_t window,
-                           bool causal_block) {
+                           bool causal_block, const std::optional<at::Tensor>& tree_parents) {
   const auto shape = check_block_attention_args(q, k_block, v_block, k_cache, v_cache,
                                                 req_to_token, req_pool_indices, ctx_lens,
-                                                block_size, window);
-  check_block_attention_indices(k_cache, req_to_token, req_pool_indices, ctx_lens);
+                                                block_size, window, causal_block, tree_parents);
+  check_block_attention_indices(k_cache, req_to_token, req_pool_indices, ctx_lens, tree_parents);
   // The table is read row by row through stride(0), so only its columns must be contiguous.
   const auto table = req_to_token.stride(1) == 1 ? req_to_token : req_to_token.contiguous();
   const auto pools = req_pool_indices.to(at::kLong).contiguous();
   const auto lens = ctx_lens.to(at::kLong).contiguous();
+  const auto parents = tree_parents ? tree_parents->to(at::kLong).contiguous() : at::Tensor();
   auto out = at::empty({q.size(0), shape.q_heads, shape.head_dim}, q.options());
   if (q.size(0) == 0) return out;
 
   const Problem problem{block_size,       shape.q_heads / shape.kv_heads,
                         shape.kv_heads,   shape.head_dim,
                         window,           causal_block,
-                        static_cast<float>(sm_scale)};
+                        static_cast<float>(sm_scale),
+                        tree_parents ? parents.const_data_ptr<int64_t>() : nullptr};
   SGLD_DISPATCH_FLOAT_TYPES(q.scalar_type(), "block_attention", [&] {
     if (table.scalar_type() == at::kInt) {
       block_attention_kernel<scalar_t, int32_t>(q, k_block, v_block, k_cache, v_cache, table,

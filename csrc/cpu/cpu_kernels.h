@@ -12,7 +12,8 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
                            const at::Tensor& v_block, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& req_to_token,
                            const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens,
-                           int64_t block_size, double sm_scale, int64_t window, bool causal_block);
+                           int64_t block_size, double sm_scale, int64_t window, bool causal_block,
+                           const std::optional<at::Tensor>& tree_parents);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block(
     const at::Tensor& candidates, const at::Tensor& logits, const at::Tensor& temperature,

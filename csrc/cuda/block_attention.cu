@@ -3,7 +3,9 @@
 // Keys are addressed by absolute position: context token j is key j (slot
 // req_to_token[pool, j]), block row r is key ctx + r (read from k_block / v_block), so query row i
 // (position ctx + i) sees key k when k < ctx + B, k <= ctx + i if causal_block, and
-// |ctx + i - k| < window if the window is on. One CTA takes all the query rows that share a kv
+// |ctx + i - k| < window if the window is on; in tree mode, block key ctx + c only when node c is
+// node i or its ancestor (a bitmask per node, built from tree_parents by a first small kernel into
+// a shape-sized workspace). One CTA takes all the query rows that share a kv
 // head (B x group rows, 64 per CTA on the tensor-core path) against one slice of that key range,
 // so each K/V tile is read once for all of them; when bs x Hkv x row tiles is too few CTAs to fill
 // the GPU, the key range is split across CTAs (flash-decoding) and a second kernel merges the
@@ -28,6 +30,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "cuda_common.cuh"
@@ -61,6 +64,8 @@ struct AttnParams {
   bool table64, pools64, ctx64, causal;
   int block_size, group, kv_heads, q_heads, head_dim, rows, row_tiles, splits, window;
   float sm_scale;
+  const uint32_t* tree_sees;  // tree mode: [N, tree_words], bit c of row b*B+i = node c is i or its ancestor
+  int tree_words;
   void* out;        // [N, Hq, D] contiguous, q's dtype
   float* part_o;    // [splits, N, Hq, D] un-normalised partial outputs (splits > 1)
   float* part_ml;   // [splits, N, Hq, 2] (max, sum) of each partial softmax (splits > 1)
@@ -111,9 +116,39 @@ __device__ __forceinline__ Work cta_work(const AttnParams& p) {
 
 // Whether block row i sees key k (k >= the CTA's begin is implied).
 __device__ __forceinline__ bool visible(const AttnParams& p, const Work& w, int64_t k, int64_t i) {
+  if (k >= w.end) return false;
+  if (p.tree_sees != nullptr && k >= w.ctx) {
+    const int64_t c = k - w.ctx;
+    const uint32_t word = p.tree_sees[(static_cast<int64_t>(w.b) * p.block_size + i) * p.tree_words + c / 32];
+    return (word >> (c % 32)) & 1u;
+  }
   const int64_t pos = w.ctx + i;
-  return k < w.end && (!p.causal || k <= pos) &&
-         (p.window <= 0 || (pos >= k ? pos - k : k - pos) < p.window);
+  return (!p.causal || k <= pos) && (p.window <= 0 || (pos >= k ? pos - k : k - pos) < p.window);
+}
+
+// Tree mode: row n = b*B + i of `sees` gets the bits of node i and of its ancestors, one thread
+// per node walking up tree_parents. A parent that is not a node before its child (nor -1) is
+// recorded in the device's error record and ends the walk: the rows stay in range whatever the
+// parents hold, and the call's outputs are not valid.
+template <typename index_t>
+__global__ void __launch_bounds__(kThreads) tree_sees_kernel(const index_t* parents, int64_t n_rows,
+                                                             int block_size, int words, uint32_t* sees,
+                                                             IndexError* errors) {
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= n_rows) return;
+  const int64_t b = n / block_size;
+  uint32_t* row = sees + n * words;
+  for (int x = 0; x < words; ++x) row[x] = 0u;
+  int64_t c = n % block_size;
+  while (true) {
+    row[c / 32] |= 1u << (c % 32);
+    const int64_t parent = static_cast<int64_t>(parents[b * block_size + c]);
+    if (parent == -1 || !index_ok(parent >= 0 && parent < c, errors, IndexCheck::kAttentionTreeParent, b, c,
+                                  parent, c)) {
+      break;
+    }
+    c = parent;
+  }
 }
 
 // Row pointers of key k's K and V vectors for kv head w.h; false (kp, vp untouched) when its slot
@@ -259,7 +294,8 @@ __global__ void __launch_bounds__(kThreads, 2) block_attention_mma_kernel(const 
     // Mask, online softmax (log2 domain), rescale the accumulators.
     const int64_t k0 = w.begin + static_cast<int64_t>(t) * TILE;
     // Tiles wholly inside the range, with no window and no causal key among them, need no mask.
-    const bool need_mask = k0 + TILE > w.end || p.window > 0 || (p.causal && k0 + TILE > w.ctx);
+    const bool need_mask = k0 + TILE > w.end || p.window > 0 ||
+                           ((p.causal || p.tree_sees != nullptr) && k0 + TILE > w.ctx);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float mx = -INFINITY;
@@ -557,10 +593,10 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
                            const at::Tensor& v_cache, const at::Tensor& req_to_token,
                            const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens,
                            int64_t block_size, double sm_scale, int64_t window,
-                           bool causal_block) {
+                           bool causal_block, const std::optional<at::Tensor>& tree_parents) {
   const auto shape = check_block_attention_args(q, k_block, v_block, k_cache, v_cache,
                                                 req_to_token, req_pool_indices, ctx_lens,
-                                                block_size, window);
+                                                block_size, window, causal_block, tree_parents);
   TORCH_CHECK_VALUE(shape.head_dim <= kMaxHeadDim,
                     "sglang_dflash.block_attention: the CUDA kernel supports head_dim <= ",
                     kMaxHeadDim, ", got ", shape.head_dim);
@@ -649,6 +685,23 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
               "sglang_dflash.block_attention: too many (request, kv head) pairs for one launch");
 
   const auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor sees;  // tree mode: the nodes' ancestor bitmasks, from the caching allocator (shape-sized)
+  if (tree_parents) {
+    const auto parents = tree_parents->contiguous();
+    p.tree_words = static_cast<int>(ceil_div(block_size, int64_t{32}));
+    sees = at::empty({q.size(0), p.tree_words}, q.options().dtype(at::kInt));
+    p.tree_sees = reinterpret_cast<const uint32_t*>(sees.data_ptr<int32_t>());
+    const auto blocks = static_cast<unsigned>(ceil_div(q.size(0), int64_t{kThreads}));
+    auto* rows = reinterpret_cast<uint32_t*>(sees.data_ptr<int32_t>());
+    if (parents.scalar_type() == at::kLong) {
+      tree_sees_kernel<<<blocks, kThreads, 0, stream>>>(parents.data_ptr<int64_t>(), q.size(0), p.block_size,
+                                                        p.tree_words, rows, p.errors);
+    } else {
+      tree_sees_kernel<<<blocks, kThreads, 0, stream>>>(parents.data_ptr<int32_t>(), q.size(0), p.block_size,
+                                                        p.tree_words, rows, p.errors);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(splits));
   SGLD_DISPATCH_FLOAT_TYPES(q.scalar_type(), "block_attention", [&] {
     if (use_mma) {

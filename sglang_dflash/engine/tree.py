@@ -23,6 +23,8 @@ import heapq
 
 import torch
 
+from sglang_dflash.ops.reference import tree_ancestors
+
 MAX_TREE_BUDGET = 256  # drafted nodes per request: the target verifies budget + 1 rows a step
 MAX_TREE_TOPK = 64  # choices per position
 
@@ -39,14 +41,7 @@ class DraftTrees:
     def ancestors(self) -> torch.Tensor:
         """bool [bs, N, N]: [b, i, j] = node j is node i or one of its ancestors (what node i may
         attend to in the block; unused nodes see only themselves)."""
-        bs, n = self.tokens.shape
-        seen = torch.eye(n, dtype=torch.bool, device=self.tokens.device).repeat(bs, 1, 1)
-        rows = torch.arange(bs, device=self.tokens.device)
-        for i in range(1, n):  # parents come first, so their rows are final when a child copies them
-            parent = self.parents[:, i]
-            used = parent >= 0
-            seen[rows[used], i] |= seen[rows[used], parent[used]]
-        return seen
+        return tree_ancestors(self.parents)
 
 
 def validate_tree_options(budget: int, topk: int, vocab_size: int | None = None) -> None:

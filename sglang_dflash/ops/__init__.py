@@ -100,6 +100,7 @@ def block_attention(
     sm_scale: float | None = None,
     window: int = -1,
     causal_block: bool = False,
+    tree_parents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every draft-block query over its request's paged context plus its own block.
 
@@ -108,13 +109,20 @@ def block_attention(
     context token j lives in slot req_to_token[req_pool_indices[b], j] for j < ctx_lens[b].
     Block rows see every block row (only rows <= themselves when `causal_block`); `window` >= 1
     keeps the keys within that many positions. sm_scale defaults to D ** -0.5.
+
+    Tree mode (verifying a draft tree, DESIGN.md 3.3): `tree_parents` int32 / int64 [bs, B], the
+    block's rows being the tree's nodes in an order where parents come first (tree_parents[b, i] < i;
+    -1 for the root and for unused nodes), and block row i sees the context, itself and its
+    ancestors only. Neither `window` nor `causal_block` goes with it. A node's output equals
+    decoding its path to within fp32 rounding (not bit for bit: its ancestors' keys sit at other
+    block rows than a chain's would).
     Returns out [N, Hq, D] in q's dtype.
     """
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
     return _impl("block_attention", q.device)(
         q, k_block, v_block, k_cache, v_cache, req_to_token, req_pool_indices, ctx_lens,
-        int(block_size), float(sm_scale), int(window), bool(causal_block),
+        int(block_size), float(sm_scale), int(window), bool(causal_block), tree_parents,
     )
 
 

@@ -27,8 +27,10 @@ def block_attention(
     sm_scale: float | None = None,
     window: int = -1,
     causal_block: bool = False,
+    tree_parents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of each draft block over its request's paged context plus the block itself."""
+    """Attention of each draft block over its request's paged context plus the block itself; with
+    `tree_parents` [bs, B], block row i sees only itself and its ancestors among the block rows."""
     n_rows, hq, head_dim = q.shape
     group = hq // k_block.shape[1]
     if sm_scale is None:
@@ -48,11 +50,26 @@ def block_attention(
         visible = torch.ones(block_size, ctx + block_size, dtype=torch.bool, device=q.device)
         if causal_block:
             visible[:, ctx:] = k_pos[None, ctx:] <= q_pos[:, None]
+        if tree_parents is not None:
+            visible[:, ctx:] = tree_ancestors(tree_parents[b : b + 1])[0]
         if window >= 1:
             visible &= (q_pos[:, None] - k_pos[None, :]).abs() < window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[rows] = torch.einsum("hij,jhd->ihd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """parents [bs, N] (parents[b, i] < i; -1: a root or an unused node) -> bool [bs, N, N]:
+    [b, i, j] = node j is node i or one of its ancestors (the block rows node i attends to)."""
+    bs, n = parents.shape
+    seen = torch.eye(n, dtype=torch.bool, device=parents.device).repeat(bs, 1, 1)
+    rows = torch.arange(bs, device=parents.device)
+    for i in range(1, n):  # parents come first, so their rows are final when a child copies them
+        parent = parents[:, i].long()
+        used = parent >= 0
+        seen[rows[used], i] |= seen[rows[used], parent[used]]
+    return seen
 
 
 def philox4x32_10(counter: list[torch.Tensor], key: tuple[int, int]) -> list[torch.Tensor]:

@@ -23,11 +23,14 @@ BlockAttentionShape check_block_attention_args(const at::Tensor& q, const at::Te
                                                const at::Tensor& req_to_token,
                                                const at::Tensor& req_pool_indices,
                                                const at::Tensor& ctx_lens, int64_t block_size,
-                                               int64_t window);
+                                               int64_t window, bool causal_block,
+                                               const std::optional<at::Tensor>& tree_parents);
 
-// Index ranges of block_attention: reads the index tensors, so only for CPU tensors.
+// Index ranges of block_attention (tree_parents[b, i] in [-1, i) in tree mode): reads the index
+// tensors, so only for CPU tensors.
 void check_block_attention_indices(const at::Tensor& k_cache, const at::Tensor& req_to_token,
-                                   const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens);
+                                   const at::Tensor& req_pool_indices, const at::Tensor& ctx_lens,
+                                   const std::optional<at::Tensor>& tree_parents);
 
 struct VerifyShape {
   int64_t batch;       // bs

@@ -19,6 +19,8 @@ namespace sglang_dflash {
   X(kAttentionSlot, "block_attention",                                                            \
     "req_to_token[%lld, %lld] = %lld is outside the KV cache's slots [0, %lld)", e.i, e.j, e.value, \
     e.bound)                                                                                       \
+  X(kAttentionTreeParent, "block_attention",                                                      \
+    "tree_parents[%lld, %lld] = %lld is not a node before %lld (or -1)", e.i, e.j, e.value, e.bound) \
   X(kVerifyCandidate, "verify_block",                                                             \
     "candidates[%lld, %lld] = %lld is outside the vocabulary [0, %lld) of logits", e.i, e.j,       \
     e.value, e.bound)                                                                              \
