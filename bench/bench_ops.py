@@ -37,6 +37,7 @@ from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft  # noqa: E402
 from sglang_dflash.engine.packaged import model_dir  # noqa: E402
 from sglang_dflash.ops import reference  # noqa: E402
 from sglang_dflash.ops.testing import make_attention_inputs as make_inputs  # noqa: E402
+from sglang_dflash.ops.testing import make_tree  # noqa: E402
 
 # (bs, B, Hq, Hkv, D, ctx, dtype); the first row is the foundation issue's goal shape.
 ATTENTION_SHAPES = [
@@ -52,6 +53,12 @@ ATTENTION_SHAPES = [
     (1, 4, 9, 3, 64, 300, torch.float16),
     (8, 4, 9, 3, 64, 300, torch.float16),
     (8, 1, 9, 3, 64, 300, torch.float16),
+    # ... verifying a 16-node draft tree (tree mode: each row sees its ancestors), against the
+    # causal chain of as many rows
+    (1, 16, 9, 3, 64, 300, torch.float16, "causal"),
+    (1, 16, 9, 3, 64, 300, torch.float16, "tree"),
+    (8, 16, 9, 3, 64, 300, torch.float16, "causal"),
+    (8, 16, 9, 3, 64, 300, torch.float16, "tree"),
     (1, 4, 9, 3, 64, 300, torch.bfloat16),
 ]
 # (bs, B, V, temperature, drafts); "agree": every draft matches, so every row is read (worst
@@ -94,14 +101,18 @@ def median_time(fn, repeats: int) -> float:
 
 
 def bench_attention(shape, repeats):
-    bs, block, hq, hkv, d, ctx, dtype = shape
+    """shape: (bs, B, Hq, Hkv, D, ctx, dtype[, "causal" | "tree"]); non-causal without the mode."""
+    bs, block, hq, hkv, d, ctx, dtype, *mode = shape
     args = make_inputs(bs, block, hq, hkv, d, [ctx] * bs, dtype, seed=0)
-    kernel = median_time(lambda: ops.block_attention(**args, block_size=block), repeats)
-    ref = median_time(lambda: reference.block_attention(**args, block_size=block), max(2, repeats // 4))
+    if mode == ["tree"]:
+        args["tree_parents"] = make_tree(bs, block, 100, torch.Generator().manual_seed(0), unused=0.0)[1]
+    kwargs = dict(block_size=block, causal_block=mode == ["causal"])
+    kernel = median_time(lambda: ops.block_attention(**args, **kwargs), repeats)
+    ref = median_time(lambda: reference.block_attention(**args, **kwargs), max(2, repeats // 4))
     kv_bytes = 2 * bs * (ctx + block) * hkv * d * args["k_cache"].element_size()
     flops = 4 * bs * block * hq * (ctx + block) * d  # QK^T and PV; on CPU this op is compute-bound
     return dict(op="block_attention", bs=bs, B=block, Hq=hq, Hkv=hkv, D=d, ctx=ctx,
-                dtype=str(dtype).removeprefix("torch."), kernel_ms=kernel * 1e3,
+                dtype=str(dtype).removeprefix("torch."), **({"mode": mode[0]} if mode else {}), kernel_ms=kernel * 1e3,
                 reference_ms=ref * 1e3, ratio=ref / kernel, kernel_GBps=kv_bytes / kernel / 1e9,
                 kernel_GFLOPs=flops / kernel / 1e9)
 
