@@ -75,10 +75,11 @@ def load_prompts(name: str, n: int, gsm8k: Path) -> list[str]:
 
 
 def block_label(row: dict) -> str:
-    """"4" for a fixed block size, "≤8" for the adaptive one up to 8, "tree16" for trees of 16 nodes."""
-    if row.get("tree_budget"):
-        return f"tree{row['tree_budget']}"
-    return f"≤{row['block_size']}" if row.get("adaptive") else str(row["block_size"])
+    """"4" for a fixed block size, "≤8" for the adaptive one up to 8, "tree16" for trees of 16 nodes,
+    "≤8+tree≤16" for the adaptive choice among chains up to 8 and trees up to 16 nodes."""
+    if row.get("adaptive"):
+        return f"≤{row['block_size']}" + (f"+tree≤{row['tree_budget']}" if row.get("tree_budget") else "")
+    return f"tree{row['tree_budget']}" if row.get("tree_budget") else str(row["block_size"])
 
 
 def is_fixed_chain(row: dict) -> bool:
@@ -169,28 +170,27 @@ def markdown_table(rows: list[dict]) -> str:
     speedup over the best fixed one (plain, 1.00x, counted) with its interval over prompts; the
     best speedup of a row in bold."""
     fixed = sorted({r["block_size"] for r in rows if is_fixed_chain(r)})
-    adaptive = sorted({r["block_size"] for r in rows if r.get("adaptive")})
-    trees = sorted({r["tree_budget"] for r in rows if r.get("tree_budget")})
+    trees = sorted({r["tree_budget"] for r in rows if r.get("tree_budget") and not r.get("adaptive")})
+    adaptive = list(dict.fromkeys(block_label(r) for r in rows if r.get("adaptive")))
     head = ([f"tau B={b}" for b in fixed] + [f"tau tree{n}" for n in trees] + [f"B={b}" for b in fixed]
-            + [f"tree{n}" for n in trees] + [f"B≤{b} (mean B)" for b in adaptive]
-            + [f"B≤{b} / best fixed" for b in adaptive])
+            + [f"tree{n}" for n in trees] + [f"B{a} (mean B)" for a in adaptive]
+            + [f"B{a} / best fixed" for a in adaptive])
     lines = ["| dataset | T | " + " | ".join(head) + " |", "| --- " * (2 + len(head)) + "|"]
     vs_best = {(a["dataset"], a["temperature"], a["adaptive"]): a for a in adaptive_against_fixed(rows)}
     for dataset, temperature in dict.fromkeys((r["dataset"], r["temperature"]) for r in rows):
         cell = [r for r in rows if r["dataset"] == dataset and r["temperature"] == temperature]
         best = max([1.0] + [r["speedup"] for r in cell])
-        by_size = {(r["block_size"], bool(r.get("adaptive"))): r for r in cell if not r.get("tree_budget")}
-        by_budget = {r["tree_budget"]: r for r in cell if r.get("tree_budget")}
+        by_label = {block_label(r): r for r in cell}
 
         def speed(r, suffix="", best=best):
             text = f"{r['speedup']:.2f}x{suffix}"
             return f"**{text}**" if r["speedup"] == best else text
 
-        values = ([f"{by_size[b, False]['tau_token_weighted']:.2f}" for b in fixed]
-                  + [f"{by_budget[n]['tau_token_weighted']:.2f}" for n in trees]
-                  + [speed(by_size[b, False]) for b in fixed] + [speed(by_budget[n]) for n in trees]
-                  + [speed(by_size[b, True], f" ({by_size[b, True]['mean_block_size']:.1f})") for b in adaptive]
-                  + [ratio_text(vs_best[dataset, temperature, f"≤{b}"]) for b in adaptive])
+        values = ([f"{by_label[str(b)]['tau_token_weighted']:.2f}" for b in fixed]
+                  + [f"{by_label[f'tree{n}']['tau_token_weighted']:.2f}" for n in trees]
+                  + [speed(by_label[str(b)]) for b in fixed] + [speed(by_label[f"tree{n}"]) for n in trees]
+                  + [speed(by_label[a], f" ({by_label[a]['mean_block_size']:.1f})") for a in adaptive]
+                  + [ratio_text(vs_best[dataset, temperature, a]) for a in adaptive])
         lines.append(f"| {dataset} | {temperature:g} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
@@ -240,7 +240,8 @@ def plot_trees(rows: list[dict], out_prefix: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for i, (dataset, temperature) in enumerate(dict.fromkeys((r["dataset"], r["temperature"]) for r in rows)):
             cell = [r for r in rows if r["dataset"] == dataset and r["temperature"] == temperature]
-            trees = sorted((r for r in cell if r.get("tree_budget")), key=lambda r: r["tree_budget"])
+            trees = sorted((r for r in cell if r.get("tree_budget") and not r.get("adaptive")),
+                           key=lambda r: r["tree_budget"])
             chains = [r for r in cell if is_fixed_chain(r)]
             if not trees or not chains:
                 continue
@@ -271,6 +272,9 @@ def main() -> None:
     parser.add_argument("--tree-budgets", type=int, nargs="*", default=[],
                         help="also run draft trees of each of these many nodes (at most the drafter's B - 1 deep)")
     parser.add_argument("--tree-topk", type=int, default=4, help="choices per position of the trees")
+    parser.add_argument("--adaptive-tree-budgets", type=int, nargs="*", default=[],
+                        help="also run the adaptive choice among chains up to the drafter's block and trees of up to "
+                             "each of these many nodes")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="bfloat16",
@@ -303,7 +307,7 @@ def main() -> None:
             params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
             for comparison in compare(target, drafter, prompts[dataset], block_sizes, params, progress=bar.update,
                                       adaptive_block_sizes=adaptive, tree_budgets=args.tree_budgets,
-                                      tree_topk=args.tree_topk):
+                                      tree_topk=args.tree_topk, adaptive_tree_budgets=args.adaptive_tree_budgets):
                 rows.append({"dataset": dataset, **comparison.summary()})
 
     print(f"\n{args.target} + {args.draft}, bs 1, {torch.get_num_threads()} threads, "

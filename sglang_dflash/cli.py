@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose each step's block size (up to B) from measured acceptance and step times")
     g.add_argument("--tree-budget", type=int, default=0, metavar="N",
                    help="verify a tree of N drafted tokens a step instead of a chain (the drafter's --tree-topk "
-                        "best tokens at each of the B - 1 positions, grown best first; 0: a chain)")
+                        "best tokens at each of the B - 1 positions, grown best first; 0: a chain); with --adaptive, "
+                        "each step a chain of up to B or a tree of N, N/2 or N/4, whichever is expected to be fastest")
     g.add_argument("--tree-topk", type=int, default=4, metavar="K", help="choices per position of a tree (default 4)")
     g.add_argument("--draft-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype the draft model runs in (default bfloat16; drafts never change the output)")

@@ -10,6 +10,7 @@ import pytest
 
 from sglang_dflash.engine import DFlashDrafter, Generator, OracleDrafter, SamplingParams
 from sglang_dflash.engine.block_size import BlockSizeController, StepTimeModel
+from sglang_dflash.engine.chain_or_tree import ChainOrTreeController
 from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, tiny_target
 
 
@@ -337,14 +338,14 @@ def test_adaptive_generation_equals_plain_greedy(drafter_kind):
     else:
         drafter = OracleDrafter([p + r for p, r in zip(PROMPTS, refs, strict=True)], target.vocab_size, corrupt=0.3)
     gen = Generator(target, drafter, 8, adaptive=True)
-    gen.controller = ModelledStepTimes(8, explore_every=4)
+    gen.controller = ChainOrTreeController(ModelledStepTimes(8, explore_every=4))
     params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(STOP_TOKEN,))
     for prompts, expected in ((PROMPTS[1:2], refs[1:2]), (PROMPTS, refs)):
         for result, ref in zip(gen.generate(prompts, params), expected, strict=True):
             assert result.output_ids == ref
             assert [t for s in result.steps for t in s] == result.output_ids[1:]
             assert 1 <= result.stats.mean_block_size <= 8
-    sizes = {b for (_, b) in gen.controller._seen}
+    sizes = {b for (_, b) in gen.controller.chains._seen}
     assert {1, 2, 8} <= sizes and (drafter_kind == "dflash" or len(sizes) >= 4), sizes  # a random draft never pays
 
 

@@ -31,14 +31,14 @@ def test_comparison_summary_is_consistent_with_the_runs():
     prompts = [[3, 9, 14, 22], [5, 6, 40, 41, 42, 43, 10]]
     params = SamplingParams(max_new_tokens=20)
     comparisons = compare(target, drafter, prompts, [4, 8], params, chat=False, adaptive_block_sizes=[8],
-                          tree_budgets=[5], tree_topk=3)
+                          tree_budgets=[5], tree_topk=3, adaptive_tree_budgets=[6])
     assert [(c.block_size, c.adaptive, c.tree_budget) for c in comparisons] == [
-        (4, False, 0), (8, False, 0), (8, True, 0), (8, False, 5)]
+        (4, False, 0), (8, False, 0), (8, True, 0), (8, False, 5), (8, True, 6)]
     for c in comparisons:
         s = c.summary()
         assert s["identical_to_plain"] is True
         if c.adaptive:
-            assert 1 <= s["mean_block_size"] <= 8
+            assert 1 <= s["mean_block_size"] <= max(8, c.tree_budget + 1)
         elif c.tree_budget:
             assert s["mean_block_size"] == 6 and s["tree_topk"] == 3  # the root and 5 drafted nodes a step
         else:
@@ -101,6 +101,7 @@ def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_e2e.py"), "--datasets", "gsm8k", "--samples",
                           "2", "--block-sizes", "4", "8", "--adaptive", "4", "--tree-budgets", "6",
+                          "--adaptive-tree-budgets", "6",
                           "--temperatures", "0", "1",
                           "--max-new-tokens", "12", "--threads", "2", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, env=env)
@@ -108,7 +109,8 @@ def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
     assert "tau(tok)" in run.stdout
     result = json.loads(out.read_text())
     assert [(c["temperature"], c["block_size"], c["adaptive"], c["tree_budget"]) for c in result["cases"]] == [
-        (t, b, a, n) for t in (0.0, 1.0) for b, a, n in ((4, False, 0), (8, False, 0), (4, True, 0), (8, False, 6))]
+        (t, b, a, n) for t in (0.0, 1.0)
+        for b, a, n in ((4, False, 0), (8, False, 0), (4, True, 0), (8, False, 6), (8, True, 6))]
     assert "≤4" in run.stdout
     assert all(c["identical_to_plain"] for c in result["cases"])
     for c in result["cases"]:  # a step commits 1..B tokens; the shipped drafter earns > 1.5 greedy at B=4
@@ -121,7 +123,8 @@ def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
     for name in ("tau", "speedup"):
         assert out.with_name(f"e2e_tree_{name}.png").stat().st_size > 1000
     trees = result["tree_against_chain"]
-    assert [(t["temperature"], t["tree"]) for t in trees] == [(0.0, "tree6"), (1.0, "tree6")]
+    assert [(t["temperature"], t["tree"]) for t in trees] == [
+        (t, label) for t in (0.0, 1.0) for label in ("tree6", "≤8+tree≤6")]
     for t in trees:
         chains = [c for c in result["cases"] if c["temperature"] == t["temperature"] and not c["adaptive"]
                   and not c["tree_budget"]]
@@ -129,19 +132,22 @@ def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
         assert t["speedup_vs_best_chain"] == pytest.approx(t["speedup"] / max(c["speedup"] for c in chains))
     # Adaptive against the best fixed size, per temperature, in the JSON and the markdown table.
     vs_best = result["adaptive_against_fixed"]
-    assert [(a["temperature"], a["adaptive"]) for a in vs_best] == [(0.0, "≤4"), (1.0, "≤4")]
+    assert [(a["temperature"], a["adaptive"]) for a in vs_best] == [
+        (t, label) for t in (0.0, 1.0) for label in ("≤4", "≤8+tree≤6")]
     for a in vs_best:
         fixed = [c["speedup"] for c in result["cases"]
                  if c["temperature"] == a["temperature"] and not c["adaptive"] and not c["tree_budget"]]
         assert a["best_fixed_speedup"] == max([1.0, *fixed])
-        adaptive = next(c for c in result["cases"] if c["temperature"] == a["temperature"] and c["adaptive"])
+        adaptive = next(c for c in result["cases"] if c["temperature"] == a["temperature"] and c["adaptive"]
+                        and bool(c["tree_budget"]) == ("tree" in a["adaptive"]))
         assert a["vs_best_fixed"] == pytest.approx(adaptive["speedup"] / a["best_fixed_speedup"])
         low, high = a["vs_best_fixed_interval"]
         assert 0 < low <= high, a
     table = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_e2e.py"), "--table", str(out)],
                            cwd=ROOT, capture_output=True, text=True, env=env, check=True).stdout
     assert table.splitlines()[0].startswith(
-        "| dataset | T | tau B=4 | tau B=8 | tau tree6 | B=4 | B=8 | tree6 | B≤4 (mean B) |")
+        "| dataset | T | tau B=4 | tau B=8 | tau tree6 | B=4 | B=8 | tree6 | B≤4 (mean B) | B≤8+tree≤6 (mean B) | "
+        "B≤4 / best fixed | B≤8+tree≤6 / best fixed |")
     assert [line.split(" | ")[1] for line in table.splitlines()[2:]] == ["0", "1"]
 
 

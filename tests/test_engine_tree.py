@@ -201,5 +201,3 @@ def test_tree_options_are_checked():
         Generator(target, small, 8, tree_budget=4, tree_topk=30)
     with pytest.raises(ValueError, match="needs a DFlash drafter"):
         Generator(target, NoDrafter(), 1, tree_budget=4)
-    with pytest.raises(ValueError, match="cannot be combined"):
-        Generator(target, drafter, 8, adaptive=True, tree_budget=4)

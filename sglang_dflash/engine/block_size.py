@@ -143,15 +143,29 @@ class BlockSizeController:
         model = self._models.get(batch_size)
         return None if model is None else model.predict(block_size)
 
+    def model_seconds(self, batch_size: int, rows: int) -> float:
+        """The step-time model's seconds of a step verifying `rows` rows per request (a chain of
+        block size `rows`, or beyond the largest one), from the nearest timed batch size's model.
+        Needs one timed step."""
+        return (self._models.get(batch_size) or self._nearest_model(batch_size)).predict(rows)
+
+    def predictions(self, batch_size: int) -> tuple[list[float], list[float]]:
+        """[b - 1] for b = 1..max_block_size: expected tokens and predicted seconds of a step."""
+        seconds = [self.model_seconds(batch_size, b) for b in range(1, self.max_block_size + 1)]
+        return self.expected_tokens(), seconds
+
+    def trying_first(self, batch_size: int) -> bool:
+        """Whether choose() would still play one of its first tries."""
+        return (any(self._timings.get(b, 0) < _ANCHOR_TIMINGS for b in self._anchors())
+                and (not self._models or batch_size == self._first_batch_size))
+
     def choose(self, batch_size: int) -> int:
-        untimed = [b for b in self._anchors() if self._timings.get(b, 0) < _ANCHOR_TIMINGS]
-        if untimed and (not self._models or batch_size == self._first_batch_size):
+        if self.trying_first(batch_size):
             # The least timed anchor first: the sizes take turns, so a slow spell of the machine
             # falls on all of them rather than on one.
+            untimed = [b for b in self._anchors() if self._timings.get(b, 0) < _ANCHOR_TIMINGS]
             return self._decide(min(untimed, key=lambda b: self._timings.get(b, 0)), "first try")
-        model = self._models.get(batch_size) or self._nearest_model(batch_size)
-        expected = self.expected_tokens()
-        seconds = [model.predict(b) for b in range(1, self.max_block_size + 1)]
+        expected, seconds = self.predictions(batch_size)
         rate = [e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True)]
         best = 1 + max(range(self.max_block_size), key=rate.__getitem__)  # smallest b on ties
         if self._steps % self.explore_every == self.explore_every - 1:

@@ -66,14 +66,18 @@ class Comparison:
 
 def compare(target, drafter, prompts: list, block_sizes: list[int], params: SamplingParams,
             chat: bool = True, progress=None, adaptive_block_sizes: list[int] = (),
-            tree_budgets: list[int] = (), tree_topk: int = 4) -> list[Comparison]:
+            tree_budgets: list[int] = (), tree_topk: int = 4,
+            adaptive_tree_budgets: list[int] = ()) -> list[Comparison]:
     """Plain and speculative decoding of every prompt; one Comparison per fixed block size, then
     one per adaptive maximum (each adaptive generator carries what it learns from prompt to
     prompt, as a server would), then one per tree budget (trees of `tree_topk` choices a position,
-    as deep as the drafter's block allows). `progress` (optional) is called once per prompt."""
+    as deep as the drafter's block allows), then one per adaptive tree budget (each step a chain of
+    up to the drafter's block or a tree of up to that many nodes: ChainOrTreeController).
+    `progress` (optional) is called once per prompt."""
     plain_gen = Generator(target, NoDrafter(), 1)
     configs = ([(b, False, 0) for b in block_sizes] + [(b, True, 0) for b in adaptive_block_sizes]
-               + [(drafter.max_block_size, False, n) for n in tree_budgets])
+               + [(drafter.max_block_size, False, n) for n in tree_budgets]
+               + [(drafter.max_block_size, True, n) for n in adaptive_tree_budgets])
     generators = [Generator(target, drafter, b, adaptive=a, tree_budget=n, tree_topk=tree_topk)
                   for b, a, n in configs]
     plain: list[GenerationResult] = []

@@ -9,7 +9,9 @@ finish independently (stop token or max_new_tokens). With `adaptive=True`, B is 
 step's block size is chosen by a `BlockSizeController` (block_size.py). With a `tree_budget`, each
 step verifies a tree of drafts instead of a chain (tree.py): the drafter's `tree_topk` best tokens
 at each of the B - 1 positions, grown best first to `tree_budget` nodes, all checked in one target
-pass by `verify_tree`, which commits the longest path the target agrees with.
+pass by `verify_tree`, which commits the longest path the target agrees with. With both, each step
+is a chain of the chosen size or a tree of budget tree_budget, / 2 or / 4, whichever is expected to
+commit the most tokens per second (`ChainOrTreeController`, chain_or_tree.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import torch
 
 from sglang_dflash.engine.block_size import BlockSizeController
+from sglang_dflash.engine.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
 from sglang_dflash.engine.drafters import DraftSampling
 from sglang_dflash.engine.target import HFTarget
 from sglang_dflash.engine.tree import build_trees, path_rows, validate_tree_options
@@ -126,7 +129,8 @@ class Generator:
     """`block_size`: the block of every step, or with `adaptive` the largest one a step may use.
     An adaptive generator keeps what it learned about step times and acceptance across calls.
     `tree_budget` > 0: verify trees of that many drafted nodes, `tree_topk` choices per position,
-    at most block_size - 1 deep (tree.py), instead of chains."""
+    at most block_size - 1 deep (tree.py), instead of chains; with `adaptive`, trees of at most that
+    many nodes or chains, step by step."""
 
     def __init__(self, target: HFTarget, drafter, block_size: int, adaptive: bool = False,
                  tree_budget: int = 0, tree_topk: int = 4):
@@ -136,14 +140,15 @@ class Generator:
         if tree_budget:
             if not hasattr(drafter, "propose_candidates"):
                 raise ValueError("a tree budget needs a DFlash drafter (this drafter proposes no candidates)")
-            if adaptive:
-                raise ValueError("a tree budget and an adaptive block size cannot be combined yet")
             if block_size < 2:
                 raise ValueError(f"a tree needs block_size >= 2 (its depth is block_size - 1), got {block_size}")
             validate_tree_options(tree_budget, tree_topk, drafter.vocab_size)
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.tree_budget, self.tree_topk = tree_budget, tree_topk
-        self.controller = BlockSizeController(block_size) if adaptive else None
+        self.controller = None
+        if adaptive:
+            budgets = tree_budgets_up_to(tree_budget) if tree_budget else []
+            self.controller = ChainOrTreeController(BlockSizeController(block_size), budgets)
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams = SamplingParams(),
                  chat: bool = True, seeds: list[int] | None = None) -> list[GenerationResult]:
@@ -213,13 +218,13 @@ class Generator:
             start_t = torch.tensor([starts[r] for r in active], device=dev)
             offsets = next_offsets(active)
             t0 = time.perf_counter()
-            block = B
+            block, tree_budget = B, self.tree_budget
             if self.controller is not None:
-                block = self.controller.choose(len(active))
+                block, tree_budget = self.controller.choose(len(active))
                 for r in active:
                     results[r].decisions.append(self.controller.last_decision)
             deferred_s = 0.0
-            if block > 1 or self.tree_budget:
+            if block > 1 or tree_budget:
                 # The context appends the drafter deferred through plain steps: their cost belongs
                 # to those steps' tokens, not to this block size (else plain steps look cheaper
                 # than they are and every draft step after them dearer).
@@ -227,14 +232,14 @@ class Generator:
                 drafter.append_pending()
                 deferred_s = time.perf_counter() - t_append
             sampling = DraftSampling(params.temperature, params.seed, offsets) if params.temperature > 0 else None
-            if self.tree_budget:
+            if tree_budget:
                 choices = drafter.propose_candidates(active, anchors, start_t, B - 1, self.tree_topk, sampling)
-                trees = build_trees(anchors, *choices, [self.tree_budget] * len(active))
+                trees = build_trees(anchors, *choices, [tree_budget] * len(active))
                 t1 = time.perf_counter()
                 logits, step_taps = target.verify_tree(trees.tokens, start_t[:, None] + trees.depths, trees.ancestors())
                 accept_len_t, path, out_tokens = verify_tree(trees.tokens, trees.parents, trees.depths, logits,
                                                              *sampling_args(len(active)), offsets)
-                block = trees.tokens.shape[1]  # rows verified
+                rows_verified = trees.tokens.shape[1]
             else:
                 candidates = anchors[:, None]
                 if block > 1:
@@ -243,13 +248,14 @@ class Generator:
                 t1 = time.perf_counter()
                 logits, step_taps = target.verify(candidates, start_t[:, None] + torch.arange(block, device=dev))
                 accept_len_t, _, out_tokens = sample(candidates, logits, active, offsets)
+                rows_verified = block
             accept_len, out_tokens = accept_len_t.tolist(), out_tokens.tolist()
             check_device_errors(dev)  # a bad index a CUDA kernel met this step (the sync is done)
 
             still, keep_rows = [], []
             for b, r in enumerate(active):
                 a = accept_len[b]
-                if self.tree_budget:
+                if tree_budget:
                     results[r].trees.append({"nodes": trees.sizes[b], "path": path[b, :a + 1].tolist()})
                 results[r].stats.accept_hist[a] += 1
                 starts[r] += a + 1
@@ -258,7 +264,7 @@ class Generator:
                     keep_rows.append(b)
             if still:
                 rows = None if len(still) == len(active) else torch.tensor(keep_rows, device=dev)
-                if self.tree_budget:
+                if tree_budget:
                     target.commit_nodes(path, accept_len_t, rows)
                     # The drafter's context continues along the committed path only.
                     nodes = path_rows(path, accept_len_t)
@@ -271,12 +277,12 @@ class Generator:
                                None if step_taps is None else step_taps[keep_rows])
             t3 = time.perf_counter()
             if self.controller is not None:
-                self.controller.observe(block, accept_len, t3 - t0 - deferred_s)
+                self.controller.observe(block, tree_budget, accept_len, t3 - t0 - deferred_s)
             running = set(still)
             for r in active:
                 results[r].stats.draft_s += (t1 - t0) + (t3 - t2)
                 results[r].stats.verify_s += t2 - t1
-                results[r].stats.verified_tokens += block
+                results[r].stats.verified_tokens += rows_verified
                 if r not in running:
                     self._finish(r, results[r], t_start)
             active = still

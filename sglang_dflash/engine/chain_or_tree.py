@@ -1,0 +1,159 @@
+"""Chain or tree, step by step: the adaptive choice when draft trees are allowed.
+
+A tree of n drafted nodes (tree.py) verifies n + 1 rows a request and commits at least what the
+chain of its depth would (the drafter's argmax chain is in it). Whether it pays depends on what a
+verified row costs: on targets whose steps are bound by reading the weights (GPUs, larger models)
+extra rows are nearly free and trees win; on this 2-core CPU a SmolLM2 row costs ~3 ms on a ~38 ms
+step, and a 16-node tree runs slower than the best chain. So the controller estimates, per step:
+
+- the chains' best rate, from `BlockSizeController` (which keeps choosing the chain, 1 = plain);
+- each tree budget n's rate = tokens(n) / seconds(n). tokens(n) = the chain of the tree's depth's
+  expected tokens times the tree's gain over it, a decayed mean of (tokens a request committed) /
+  (the chain's expectation then) from 1 (the chain is in the tree): the gain changes slowly while
+  the chain's acceptance follows the text, so every budget follows it between its own plays.
+  seconds(n) = the chains' plain-step time (timed from the first tries on, drifting with the
+  machine) times the budget's measured ratio to it, starting from the chains' model at n + 1 rows
+  (a tree drafts the whole block, takes the top-k and verifies under a 4-D mask).
+
+It plays the chains' choice while no tree is predicted faster, the best budget while one is.
+First tries: the chains' own, then every budget `_TREE_TRIES` times (the first step of a new shape
+is not timed). Every `_EXPLORE_EVERY`-th step another arm plays, in turns: the chains' choice
+while a tree wins, and the budgets that may be near the best rate; budgets far below it (< 80 %,
+counting a budget played p times 1 + 0.5 / sqrt(p) times faster, so a few unlucky first tries do
+not bury it) at every `_FAR_TURNS`-th of those turns only. Simulated (tests/test_engine_chain_or_tree.py):
+>= 96.5 % of the best fixed chain where chains win (the trees' tries and explorations cost ~1 %),
+1.1-1.2x it where a tree is 26 % faster. Every step is a lossless verify, chain or tree, so the
+mix never changes the output, greedy or seeded sampling.
+"""
+
+from __future__ import annotations
+
+from sglang_dflash.engine.block_size import BlockSizeController
+
+_GAIN_DECAY = 0.99  # per request-step of that budget
+_RATIO_DECAY = 0.9  # per timed step at that (batch size, budget)
+_TOKENS_PRIOR = 1.0  # request-steps the prior gain (1: the chain's tokens) is worth
+_TREE_TRIES = 4  # steps of each budget before the model chooses (the first one untimed)
+_EXPLORE_EVERY = 32
+_WORTH_EXPLORING = 0.8  # trees predicted below this fraction of the best rate are explored less ...
+_FAR_TURNS = 8  # ... at every this many-th exploration
+
+
+def tree_budgets_up_to(budget: int) -> list[int]:
+    """The budgets an adaptive run with `--tree-budget N` chooses from: N, N / 2, N / 4 (>= 2)."""
+    return sorted({n for n in (budget, budget // 2, budget // 4) if n >= 2} or {budget})
+
+
+class ChainOrTreeController:
+    """`chains`: the block-size controller of the chain steps (its max_block_size is the drafter's
+    block: trees are at most max_block_size - 1 deep); `tree_budgets`: the tree sizes it may play
+    (none: it plays the chains' choice every step)."""
+
+    def __init__(self, chains: BlockSizeController, tree_budgets: list[int] = ()):
+        if any(n < 1 for n in tree_budgets):
+            raise ValueError(f"tree budgets must be >= 1, got {list(tree_budgets)}")
+        if tree_budgets and chains.max_block_size < 2:
+            raise ValueError("trees need a block size >= 2 (their depth is block_size - 1)")
+        self.chains = chains
+        self.tree_budgets = sorted(set(tree_budgets))
+        self._tokens = {n: [0.0, 0.0] for n in self.tree_budgets}  # decayed (sum, weight) of the gain
+        self._ratio: dict[tuple[int, int], list[float]] = {}  # (batch size, n) -> decayed (sum, weight) of tree / plain
+        self._plays = dict.fromkeys(self.tree_budgets, 0)
+        self._seen: set[tuple[int, int]] = set()  # (batch size, n) of timed tree steps' shapes
+        self._steps = 0
+        self.last_decision: dict = {}
+
+    def choose(self, batch_size: int) -> tuple[int, int]:
+        """(block size, tree budget) of the next step: (b, 0) a chain of b (1: plain), (B, n) a
+        tree of n drafted nodes from the drafter's block B."""
+        chain = self.chains.choose(batch_size)
+        if not self.tree_budgets or self.chains.trying_first(batch_size):
+            return self._chain(chain)
+        untried = [n for n in self.tree_budgets if self._plays[n] < _TREE_TRIES]
+        if untried:
+            return self._tree(min(untried, key=self._plays.__getitem__), "first try")
+        expected, seconds = self.chains.predictions(batch_size)
+        chain_rate = max(e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True))
+        rates = {n: self.tree_tokens(n) / max(self.tree_seconds(batch_size, n), 1e-12) for n in self.tree_budgets}
+        best = max(self.tree_budgets, key=rates.__getitem__)
+        tree_wins = rates[best] > chain_rate
+        if self._steps % _EXPLORE_EVERY == _EXPLORE_EVERY - 1:
+            # The arms other than the chosen one, in turns: the chains' choice (while a tree wins)
+            # and the trees that may be near the best rate at every exploration, the others at
+            # every `_FAR_TURNS`-th. "May be": the rate of a budget played p times counts
+            # 1 + 0.5 / sqrt(p) times higher here (its tokens per step vary by ~+-50 %), so four
+            # unlucky first tries do not make a budget that wins look far.
+            top = max(chain_rate, rates[best])
+            others = [n for n in self.tree_budgets if not (tree_wins and n == best)]
+            near = [0] * tree_wins + [n for n in others if self._optimistic(rates[n], n) >= _WORTH_EXPLORING * top]
+            far = [n for n in others if self._optimistic(rates[n], n) < _WORTH_EXPLORING * top]
+            turn = self._steps // _EXPLORE_EVERY
+            if far and turn % _FAR_TURNS == _FAR_TURNS - 1:
+                return self._tree(far[(turn // _FAR_TURNS) % len(far)], "explore", rates)
+            if near:
+                pick = near[turn % len(near)]
+                return self._chain(chain, explored=True) if pick == 0 else self._tree(pick, "explore", rates)
+        return self._tree(best, "best", rates) if tree_wins else self._chain(chain)
+
+    def _optimistic(self, rate: float, budget: int) -> float:
+        return rate * (1.0 + 0.5 * self._plays[budget] ** -0.5)
+
+    def tree_tokens(self, budget: int) -> float:
+        """Expected tokens a request commits in a tree step of `budget` drafted nodes: the chain of
+        the tree's depth's, times the tree's measured gain over it (prior 1: the chain is in the
+        tree). The gain, not the tokens, is what the tree steps teach: it changes slowly while the
+        chain's acceptance follows the text, and every tree budget keeps following it between its
+        own plays."""
+        total, weight = self._tokens[budget]
+        return self._chain_tokens(budget) * (total + _TOKENS_PRIOR) / (weight + _TOKENS_PRIOR)
+
+    def _chain_tokens(self, budget: int) -> float:
+        return self.chains.expected_tokens()[min(budget, self.chains.max_block_size - 1)]
+
+    def tree_seconds(self, batch_size: int, budget: int) -> float:
+        """Predicted seconds of a tree step of `budget` drafted nodes at `batch_size`: the plain
+        step's time (the best-known part of the chains' model, timed from the first tries on and
+        drifting with the machine) times the budget's measured ratio to it, starting from the
+        chains' model at budget + 1 rows (worth one step)."""
+        plain = self.chains.model_seconds(batch_size, 1)
+        prior = self.chains.model_seconds(batch_size, budget + 1) / max(plain, 1e-12)
+        keys = [k for k in self._ratio if k[1] == budget]
+        ratio = prior
+        if keys:
+            total, weight = self._ratio[min(keys, key=lambda k: (abs(k[0] - batch_size), k[0]))]
+            ratio = (total + prior) / (weight + 1.0)
+        return ratio * plain
+
+    def observe(self, block_size: int, tree_budget: int, accept_lens: list[int], seconds: float) -> None:
+        """One verify step of `len(accept_lens)` requests as chosen (tree_budget 0: a chain of
+        `block_size`), taking `seconds`; accept_lens[i] drafts of request i were accepted."""
+        self._steps += 1
+        if not tree_budget:
+            self.chains.observe(block_size, accept_lens, seconds)
+            return
+        if tree_budget not in self._tokens:
+            raise ValueError(f"tree budget {tree_budget} is not one of {self.tree_budgets}")
+        self._plays[tree_budget] += 1
+        gain, chain_tokens = self._tokens[tree_budget], self._chain_tokens(tree_budget)
+        for a in accept_lens:
+            gain[0], gain[1] = gain[0] * _GAIN_DECAY + (a + 1) / chain_tokens, gain[1] * _GAIN_DECAY + 1.0
+        key = (len(accept_lens), tree_budget)
+        if key not in self._seen:  # the first step at a new shape pays one-off costs: not timed
+            self._seen.add(key)
+            return
+        ratio = self._ratio.setdefault(key, [0.0, 0.0])
+        plain = max(self.chains.model_seconds(len(accept_lens), 1), 1e-12)
+        ratio[0] = ratio[0] * _RATIO_DECAY + seconds / plain
+        ratio[1] = ratio[1] * _RATIO_DECAY + 1.0
+
+    def _chain(self, block_size: int, explored: bool = False) -> tuple[int, int]:
+        self.last_decision = dict(self.chains.last_decision, tree_budget=0)
+        if explored:
+            self.last_decision["why"] = "explore"
+        return block_size, 0
+
+    def _tree(self, budget: int, why: str, rates: dict | None = None) -> tuple[int, int]:
+        self.last_decision = {"block_size": self.chains.max_block_size, "tree_budget": budget, "why": why}
+        if rates is not None:
+            self.last_decision["tree_rates"] = {n: round(r, 3) for n, r in rates.items()}
+        return self.chains.max_block_size, budget
