@@ -11,18 +11,20 @@ step, and a 16-node tree runs slower than the best chain. So the controller esti
   expected tokens times the tree's gain over it, a decayed mean of (tokens a request committed) /
   (the chain's expectation then) from 1 (the chain is in the tree): the gain changes slowly while
   the chain's acceptance follows the text, so every budget follows it between its own plays.
-  seconds(n) = the chains' plain-step time (timed from the first tries on, drifting with the
-  machine) times the budget's measured ratio to it, starting from the chains' model at n + 1 rows
-  (a tree drafts the whole block, takes the top-k and verifies under a 4-D mask).
+  seconds(n) = the chains' modelled time at n + 1 rows (at most the largest chain: the model is not
+  extrapolated past the sizes the chains play) times the budget's measured ratio to it (a tree
+  drafts the whole block, takes the top-k and verifies under a 4-D mask). A budget not played yet
+  takes the gain and the ratio of the nearest smaller one that was.
 
 It plays the chains' choice while no tree is predicted faster, the best budget while one is.
-First tries: the chains' own, then every budget `_TREE_TRIES` times (the first step of a new shape
-is not timed). Every `_EXPLORE_EVERY`-th step another arm plays, in turns: the chains' choice
+First tries: the chains' own, then every budget `_TREE_TRIES` times, smallest first, a larger one
+only while its prediction from the smaller ones may be near the best rate (the first step of a new
+shape is not timed). Every `_EXPLORE_EVERY`-th step another arm plays, in turns: the chains' choice
 while a tree wins, and the budgets that may be near the best rate; budgets far below it (< 80 %,
 counting a budget played p times 1 + 0.5 / sqrt(p) times faster, so a few unlucky first tries do
 not bury it) at every `_FAR_TURNS`-th of those turns only. Simulated (tests/test_engine_chain_or_tree.py):
 >= 96.5 % of the best fixed chain where chains win (the trees' tries and explorations cost ~1 %),
-1.1-1.2x it where a tree is 26 % faster. Every step is a lossless verify, chain or tree, so the
+1.14-1.24x it where a tree is 26 % faster (90-97 % of that tree). Every step is a lossless verify, chain or tree, so the
 mix never changes the output, greedy or seeded sampling.
 """
 
@@ -57,7 +59,8 @@ class ChainOrTreeController:
         self.chains = chains
         self.tree_budgets = sorted(set(tree_budgets))
         self._tokens = {n: [0.0, 0.0] for n in self.tree_budgets}  # decayed (sum, weight) of the gain
-        self._ratio: dict[tuple[int, int], list[float]] = {}  # (batch size, n) -> decayed (sum, weight) of tree / plain
+        # (batch size, n) -> decayed (sum, weight) of the tree's time over its reference chain's modelled one
+        self._ratio: dict[tuple[int, int], list[float]] = {}
         self._plays = dict.fromkeys(self.tree_budgets, 0)
         self._seen: set[tuple[int, int]] = set()  # (batch size, n) of timed tree steps' shapes
         self._steps = 0
@@ -69,14 +72,17 @@ class ChainOrTreeController:
         chain = self.chains.choose(batch_size)
         if not self.tree_budgets or self.chains.trying_first(batch_size):
             return self._chain(chain)
-        untried = [n for n in self.tree_budgets if self._plays[n] < _TREE_TRIES]
-        if untried:
-            return self._tree(min(untried, key=self._plays.__getitem__), "first try")
         expected, seconds = self.chains.predictions(batch_size)
         chain_rate = max(e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True))
         rates = {n: self.tree_tokens(n) / max(self.tree_seconds(batch_size, n), 1e-12) for n in self.tree_budgets}
         best = max(self.tree_budgets, key=rates.__getitem__)
         tree_wins = rates[best] > chain_rate
+        untried = next((n for n in self.tree_budgets if self._plays[n] < _TREE_TRIES), None)
+        if untried is not None and (untried == self.tree_budgets[0] or self._optimistic(rates[untried], untried)
+                                    >= _WORTH_EXPLORING * max(chain_rate, rates[best])):
+            # Smallest first; a larger budget, predicted from the smaller ones' gain and time, only
+            # while it may be near (on this CPU a 16-node tree is not worth its tries on chat).
+            return self._tree(untried, "first try", rates)
         if self._steps % _EXPLORE_EVERY == _EXPLORE_EVERY - 1:
             # The arms other than the chosen one, in turns: the chains' choice (while a tree wins)
             # and the trees that may be near the best rate at every exploration, the others at
@@ -96,7 +102,16 @@ class ChainOrTreeController:
         return self._tree(best, "best", rates) if tree_wins else self._chain(chain)
 
     def _optimistic(self, rate: float, budget: int) -> float:
-        return rate * (1.0 + 0.5 * self._plays[budget] ** -0.5)
+        return rate * (1.0 + 0.5 * max(self._plays[budget], 1) ** -0.5)
+
+    def _reference_rows(self, budget: int) -> int:
+        """The chain whose modelled time a tree's is measured against: as many rows, or the largest
+        chain (no extrapolation past the sizes the chains play)."""
+        return min(budget + 1, self.chains.max_block_size)
+
+    def _nearest_played(self, budget: int, played) -> int | None:
+        """`budget` if played, else the largest smaller budget that was (None: none)."""
+        return next((n for n in reversed(self.tree_budgets) if n <= budget and played(n)), None)
 
     def tree_tokens(self, budget: int) -> float:
         """Expected tokens a request commits in a tree step of `budget` drafted nodes: the chain of
@@ -104,25 +119,31 @@ class ChainOrTreeController:
         tree). The gain, not the tokens, is what the tree steps teach: it changes slowly while the
         chain's acceptance follows the text, and every tree budget keeps following it between its
         own plays."""
-        total, weight = self._tokens[budget]
+        source = self._nearest_played(budget, lambda n: self._tokens[n][1] > 0)  # untried: a smaller one's gain
+        total, weight = self._tokens[budget if source is None else source]
         return self._chain_tokens(budget) * (total + _TOKENS_PRIOR) / (weight + _TOKENS_PRIOR)
 
     def _chain_tokens(self, budget: int) -> float:
         return self.chains.expected_tokens()[min(budget, self.chains.max_block_size - 1)]
 
     def tree_seconds(self, batch_size: int, budget: int) -> float:
-        """Predicted seconds of a tree step of `budget` drafted nodes at `batch_size`: the plain
-        step's time (the best-known part of the chains' model, timed from the first tries on and
-        drifting with the machine) times the budget's measured ratio to it, starting from the
-        chains' model at budget + 1 rows (worth one step)."""
-        plain = self.chains.model_seconds(batch_size, 1)
-        prior = self.chains.model_seconds(batch_size, budget + 1) / max(plain, 1e-12)
-        keys = [k for k in self._ratio if k[1] == budget]
-        ratio = prior
-        if keys:
-            total, weight = self._ratio[min(keys, key=lambda k: (abs(k[0] - batch_size), k[0]))]
-            ratio = (total + prior) / (weight + 1.0)
-        return ratio * plain
+        """Predicted seconds of a tree step of `budget` drafted nodes at `batch_size`: the chains'
+        modelled time at budget + 1 rows, corrected by how the budget's measured time compares with
+        the model at its `_reference_rows` (the model's own ratio as prior, worth one step); a
+        budget with no timed step takes the correction of the nearest smaller one that has one."""
+        def model(rows: int) -> float:
+            return self.chains.model_seconds(batch_size, rows)
+
+        def measured(n: int) -> list[float] | None:
+            keys = [k for k in self._ratio if k[1] == n]
+            return self._ratio[min(keys, key=lambda k: (abs(k[0] - batch_size), k[0]))] if keys else None
+
+        source = self._nearest_played(budget, lambda n: measured(n) is not None)
+        if source is None:
+            return model(budget + 1)
+        total, weight = measured(source)
+        modelled = model(source + 1) / max(model(self._reference_rows(source)), 1e-12)
+        return (total + modelled) / (weight + 1.0) / max(modelled, 1e-12) * model(budget + 1)
 
     def observe(self, block_size: int, tree_budget: int, accept_lens: list[int], seconds: float) -> None:
         """One verify step of `len(accept_lens)` requests as chosen (tree_budget 0: a chain of
@@ -142,8 +163,8 @@ class ChainOrTreeController:
             self._seen.add(key)
             return
         ratio = self._ratio.setdefault(key, [0.0, 0.0])
-        plain = max(self.chains.model_seconds(len(accept_lens), 1), 1e-12)
-        ratio[0] = ratio[0] * _RATIO_DECAY + seconds / plain
+        reference = max(self.chains.model_seconds(len(accept_lens), self._reference_rows(tree_budget)), 1e-12)
+        ratio[0] = ratio[0] * _RATIO_DECAY + seconds / reference
         ratio[1] = ratio[1] * _RATIO_DECAY + 1.0
 
     def _chain(self, block_size: int, explored: bool = False) -> tuple[int, int]:
