@@ -128,15 +128,10 @@ def test_budgets_and_bad_arguments():
         ChainOrTreeController(BlockSizeController(8), [4]).observe(8, 5, [0], 1.0)
 
 
-class RowsAreFree(BlockSizeController):
-    """A chain controller fed modelled step times in which a verified row costs almost nothing, so
+class FreeRowsChainOrTree(ChainOrTreeController):
+    """Fed modelled step times (the chains' too) in which a verified row costs almost nothing, so
     trees win and get played (in place of the wall clock, where on this CPU they rarely would)."""
 
-    def observe(self, block_size, accept_lens, seconds):
-        super().observe(block_size, accept_lens, 0.010 + 0.002 * (block_size > 1) + 1e-5 * block_size)
-
-
-class FreeRowsChainOrTree(ChainOrTreeController):
     def observe(self, block_size, tree_budget, accept_lens, seconds):
         rows = tree_budget + 1 if tree_budget else block_size
         super().observe(block_size, tree_budget, accept_lens, 0.010 + 0.002 * (rows > 1) + 1e-5 * rows)
@@ -155,7 +150,7 @@ def test_adaptive_chains_and_trees_generate_what_plain_decoding_does(temperature
     else:
         expected = [r.output_ids for r in Generator(target, drafter, 1).generate(PROMPTS, params)]
     gen = Generator(target, drafter, 8, adaptive=True, tree_budget=8, tree_topk=3)
-    gen.controller = FreeRowsChainOrTree(RowsAreFree(8, explore_every=4), tree_budgets_up_to(8))
+    gen.controller = FreeRowsChainOrTree(BlockSizeController(8, explore_every=4), tree_budgets_up_to(8))
     kinds = set()
     for prompts, want in ((PROMPTS[1:2], expected[1:2]), (PROMPTS, expected)):
         for result, ref in zip(gen.generate(prompts, params), want, strict=True):

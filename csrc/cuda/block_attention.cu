@@ -690,9 +690,9 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
     const auto parents = tree_parents->contiguous();
     p.tree_words = static_cast<int>(ceil_div(block_size, int64_t{32}));
     sees = at::empty({q.size(0), p.tree_words}, q.options().dtype(at::kInt));
-    p.tree_sees = reinterpret_cast<const uint32_t*>(sees.data_ptr<int32_t>());
-    const auto blocks = static_cast<unsigned>(ceil_div(q.size(0), int64_t{kThreads}));
     auto* rows = reinterpret_cast<uint32_t*>(sees.data_ptr<int32_t>());
+    p.tree_sees = rows;
+    const auto blocks = static_cast<unsigned>(ceil_div(q.size(0), int64_t{kThreads}));
     if (parents.scalar_type() == at::kLong) {
       tree_sees_kernel<<<blocks, kThreads, 0, stream>>>(parents.data_ptr<int64_t>(), q.size(0), p.block_size,
                                                         p.tree_words, rows, p.errors);

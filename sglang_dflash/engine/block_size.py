@@ -154,16 +154,11 @@ class BlockSizeController:
         seconds = [self.model_seconds(batch_size, b) for b in range(1, self.max_block_size + 1)]
         return self.expected_tokens(), seconds
 
-    def trying_first(self, batch_size: int) -> bool:
-        """Whether choose() would still play one of its first tries."""
-        return (any(self._timings.get(b, 0) < _ANCHOR_TIMINGS for b in self._anchors())
-                and (not self._models or batch_size == self._first_batch_size))
-
     def choose(self, batch_size: int) -> int:
-        if self.trying_first(batch_size):
+        untimed = [b for b in self._anchors() if self._timings.get(b, 0) < _ANCHOR_TIMINGS]
+        if untimed and (not self._models or batch_size == self._first_batch_size):
             # The least timed anchor first: the sizes take turns, so a slow spell of the machine
             # falls on all of them rather than on one.
-            untimed = [b for b in self._anchors() if self._timings.get(b, 0) < _ANCHOR_TIMINGS]
             return self._decide(min(untimed, key=lambda b: self._timings.get(b, 0)), "first try")
         expected, seconds = self.predictions(batch_size)
         rate = [e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True)]

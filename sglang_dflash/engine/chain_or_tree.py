@@ -70,7 +70,7 @@ class ChainOrTreeController:
         """(block size, tree budget) of the next step: (b, 0) a chain of b (1: plain), (B, n) a
         tree of n drafted nodes from the drafter's block B."""
         chain = self.chains.choose(batch_size)
-        if not self.tree_budgets or self.chains.trying_first(batch_size):
+        if not self.tree_budgets or self.chains.last_decision["why"] == "first try":
             return self._chain(chain)
         expected, seconds = self.chains.predictions(batch_size)
         chain_rate = max(e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True))
@@ -91,8 +91,9 @@ class ChainOrTreeController:
             # unlucky first tries do not make a budget that wins look far.
             top = max(chain_rate, rates[best])
             others = [n for n in self.tree_budgets if not (tree_wins and n == best)]
-            near = [0] * tree_wins + [n for n in others if self._optimistic(rates[n], n) >= _WORTH_EXPLORING * top]
-            far = [n for n in others if self._optimistic(rates[n], n) < _WORTH_EXPLORING * top]
+            may_be_near = {n: self._optimistic(rates[n], n) >= _WORTH_EXPLORING * top for n in others}
+            near = [0] * tree_wins + [n for n in others if may_be_near[n]]
+            far = [n for n in others if not may_be_near[n]]
             turn = self._steps // _EXPLORE_EVERY
             if far and turn % _FAR_TURNS == _FAR_TURNS - 1:
                 return self._tree(far[(turn // _FAR_TURNS) % len(far)], "explore", rates)
