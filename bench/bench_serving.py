@@ -9,6 +9,8 @@ the cores), warmed up with one request, sent the same requests, and stopped:
   dflash         --speculative-algorithm dflash with the drafter
   dflash-bN      the same with --speculative-dflash-block-size N (the adaptive block size's maximum)
   dflash-fixed[-bN]  the same with SGLANG_DFLASH_ADAPTIVE=0: every step at that one block size
+  dflash...-treeN  any of these with SGLANG_DFLASH_TREE_BUDGET=N: decode steps may verify a draft
+                 tree of N nodes (fixed: every eligible step; adaptive: chain or tree as it expects)
 
 The requests are the first --samples prompts of HumanEval, GSM8K test and MT-Bench in the
 target's chat template, streamed from /generate at every temperature and at every concurrency
@@ -75,10 +77,12 @@ def server_config(name: str, draft: Path) -> ServerConfig:
         return ServerConfig(name, None, env={"SGLANG_DFLASH_DISABLE": "1"})
     if name == "plain-plugin":
         return ServerConfig(name, None)
-    match = re.fullmatch(r"dflash(-fixed)?(?:-b(\d+))?", name)
+    match = re.fullmatch(r"dflash(-fixed)?(?:-b(\d+))?(?:-tree(\d+))?", name)
     if match is None:
-        raise SystemExit(f"unknown server configuration {name!r}: plain, plain-plugin, dflash[-fixed][-bN]")
+        raise SystemExit(f"unknown server configuration {name!r}: plain, plain-plugin, dflash[-fixed][-bN][-treeN]")
     env = {"SGLANG_DFLASH_ADAPTIVE": "0"} if match[1] else {}
+    if match[3]:
+        env["SGLANG_DFLASH_TREE_BUDGET"] = match[3]
     return ServerConfig(name, draft, ("--speculative-dflash-block-size", match[2]) if match[2] else (), env=env)
 
 

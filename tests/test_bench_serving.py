@@ -94,6 +94,10 @@ def test_server_configurations():
     pinned = bs.server_config("dflash-fixed-b4", draft)
     assert pinned.extra == ("--speculative-dflash-block-size", "4") and pinned.env == {"SGLANG_DFLASH_ADAPTIVE": "0"}
     assert bs.server_config("dflash-fixed", draft).extra == ()
+    trees = bs.server_config("dflash-fixed-b8-tree7", draft)
+    assert trees.extra == ("--speculative-dflash-block-size", "8")
+    assert trees.env == {"SGLANG_DFLASH_ADAPTIVE": "0", "SGLANG_DFLASH_TREE_BUDGET": "7"}
+    assert bs.server_config("dflash-tree7", draft).env == {"SGLANG_DFLASH_TREE_BUDGET": "7"}
     with pytest.raises(SystemExit):
         bs.server_config("eagle", draft)
 

@@ -6,8 +6,9 @@ With the plugin, CPU decoding is batch invariant (few-row linears through skinny
 and verify attention through block_attention, which tiles keys by absolute position): a verify row
 computes exactly what decoding that token alone computes. So greedy DFLASH output must equal the
 plain server's token for token, one request at a time and concurrently, whatever block sizes the
-adaptive controller picks. The two servers run one after the other (never together: an idle
-SGLang scheduler keeps a core busy). Needs SGLang (scripts/install_sglang_cpu.sh); ~3 minutes.
+adaptive controller picks, and with draft trees (SGLANG_DFLASH_TREE_BUDGET: a tree node's verify row
+is bitwise the decode of its path). The servers run one after the other (never together: an idle
+SGLang scheduler keeps a core busy). Needs SGLang (scripts/install_sglang_cpu.sh); ~5 minutes.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT = 600
 MAX_NEW_TOKENS = 64
+TREE_NODES = 7  # at the default --speculative-num-draft-tokens 8, the most a block holds
 # Questions SmolLM2 answers in a few tokens, so EOS comes inside a block and ends the request there.
 SHORT_ANSWER_PROMPTS = ["What is the capital of France? Answer with one word.", "What is 2 + 2?", "Hi!"]
 CODE_PROMPTS = [
@@ -87,11 +89,13 @@ def _abort_while_running(server: LocalServer, text: str) -> dict:
     return final
 
 
-def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list[str], short: list[str]) -> dict:
-    """Starts a server, sends the requests, stops it with SIGTERM while requests run; returns what
-    it answered, its KV usage once idle, how it shut down and its log."""
+def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list[str], short: list[str],
+           **env: str) -> dict:
+    """Starts a server (`env` added to its environment), sends the requests, stops it with SIGTERM
+    while requests run; returns what it answered, its KV usage once idle, how it shut down and its
+    log."""
     server = LocalServer(name, launch_args(target, free_port(), draft=draft, extra=["--max-total-tokens", "4096"]),
-                         server_env(tmp, OMP_NUM_THREADS="2"), tmp / f"{name}.log")
+                         server_env(tmp, OMP_NUM_THREADS="2", **env), tmp / f"{name}.log")
     try:
         server.wait_ready(time.time() + STARTUP_TIMEOUT)
         alone = [_generate(server, p) for p in prompts]
@@ -113,7 +117,7 @@ def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list
         aborted = _abort_while_running(server, prompts[0])
         idle = server.wait_idle(timeout=60)
         shutdown = sigterm_in_flight(server, prompts[:3], max_new_tokens=48)
-        return dict(alone=alone, together=together, bad=bad, after_bad=after_bad, edges=edges, eos=eos,
+        return dict(name=name, alone=alone, together=together, bad=bad, after_bad=after_bad, edges=edges, eos=eos,
                     aborted=aborted, idle=idle, shutdown=shutdown, log=server.text())
     finally:
         server.stop()
@@ -126,25 +130,42 @@ def runs(tmp_path_factory):
     prompts, short = _prompts(target), _chat(target, SHORT_ANSWER_PROMPTS)
     plain = _serve("plain", target, None, tmp, prompts, short)
     dflash = _serve("dflash", target, draft, tmp, prompts, short)
-    return plain, dflash
+    # Every decode step a tree of TREE_NODES nodes where the batch allows one (logprobs do not).
+    trees = _serve("dflash-trees", target, draft, tmp, prompts, short, SGLANG_DFLASH_ADAPTIVE="0",
+                   SGLANG_DFLASH_TREE_BUDGET=str(TREE_NODES))
+    return plain, dflash, trees
 
 
 def test_greedy_dflash_equals_plain_decoding_token_for_token(runs):
-    plain, dflash = runs
-    for ours, theirs in zip(dflash["alone"] + dflash["together"], plain["alone"] + plain["together"], strict=True):
-        assert ours["output_ids"] == theirs["output_ids"]
-        assert ours["meta_info"]["completion_tokens"] == theirs["meta_info"]["completion_tokens"]
+    plain = runs[0]
+    for served in runs[1:]:
+        for ours, theirs in zip(served["alone"] + served["together"], plain["alone"] + plain["together"],
+                                strict=True):
+            assert ours["output_ids"] == theirs["output_ids"]
+            assert ours["meta_info"]["completion_tokens"] == theirs["meta_info"]["completion_tokens"]
 
 
 def test_the_shipped_drafter_commits_more_than_one_token_per_step(runs):
-    _, dflash = runs
-    steps = sum(r["meta_info"]["spec_verify_ct"] for r in dflash["alone"])
-    tokens = sum(r["meta_info"]["completion_tokens"] for r in dflash["alone"])
-    assert tokens / steps >= 1.5, (tokens, steps)
+    for served in runs[1:]:
+        steps = sum(r["meta_info"]["spec_verify_ct"] for r in served["alone"])
+        tokens = sum(r["meta_info"]["completion_tokens"] for r in served["alone"])
+        assert tokens / steps >= 1.5, (served["name"], tokens, steps)
+
+
+def test_each_tree_steps_nodes_are_in_meta_info_and_the_log(runs):
+    trees = runs[2]
+    for r in trees["alone"] + trees["together"]:
+        nodes = r["meta_info"]["dflash_tree_nodes"]  # per output token: its step's tree (0: a chain)
+        assert len(nodes) == r["meta_info"]["completion_tokens"]
+        assert nodes[0] == 0 and set(nodes[1:]) == {TREE_NODES}  # the first token is the prefill's
+    log = trees["log"]
+    assert f"sglang-dflash: draft trees on: {TREE_NODES} nodes (top 4 per position)" in log
+    assert f"sglang-dflash: draft trees, steps since the last report: tree of {TREE_NODES} x" in log
+    assert "Traceback" not in log
 
 
 def test_each_steps_block_size_is_in_meta_info_and_the_log(runs):
-    _, dflash = runs
+    dflash = runs[1]
     for r in dflash["alone"] + dflash["together"]:
         sizes = r["meta_info"]["dflash_block_size"]  # per output token: the block size of its step
         assert len(sizes) == r["meta_info"]["completion_tokens"]
@@ -155,7 +176,7 @@ def test_each_steps_block_size_is_in_meta_info_and_the_log(runs):
 
 
 def test_the_served_drafter_uses_our_kernels_and_its_draft_vocabulary(runs):
-    plain, dflash = runs
+    plain, dflash = runs[:2]
     log = dflash["log"]
     assert "sglang-dflash: drafts take the 16384 ids of" in log
     assert "sglang-dflash: draft context K/V of 3 layers through materialize_context_kv" in log
@@ -179,9 +200,14 @@ def test_block_edges_end_requests_as_plain_decoding_does(runs):
     """max_new_tokens reached inside a block, stop strings met inside one: the same tokens and text
     as the plain server, and the committed tokens' logprobs equal its (fp16 logits; both servers
     compute each token's logits the same way, so only the logprob arithmetic may differ)."""
-    plain, dflash = runs
+    plain, *served = runs
+    for ours in served:
+        _assert_edges_as_plain(ours["edges"], plain["edges"])
+
+
+def _assert_edges_as_plain(edges: list[dict], plain_edges: list[dict]) -> None:
     stopped = 0
-    for ours, theirs in zip(dflash["edges"], plain["edges"], strict=True):
+    for ours, theirs in zip(edges, plain_edges, strict=True):
         assert ours["output_ids"] == theirs["output_ids"]
         assert ours["text"] == theirs["text"]
         assert ours["meta_info"]["finish_reason"] == theirs["meta_info"]["finish_reason"]
@@ -190,21 +216,22 @@ def test_block_edges_end_requests_as_plain_decoding_does(runs):
         theirs_lp = [lp for lp, *_ in theirs["meta_info"]["output_token_logprobs"]]
         assert len(ours_lp) == len(ours["output_ids"])
         assert ours_lp == pytest.approx(theirs_lp, abs=1e-3)
-    assert [len(r["output_ids"]) for r in dflash["edges"][:2]] == [7, 13]
+    assert [len(r["output_ids"]) for r in edges[:2]] == [7, 13]
     assert stopped >= 2  # the stop strings did end requests early
 
 
 def test_eos_inside_a_block_ends_the_request_there(runs):
     """Short answers end with EOS inside a verified block: the answer stops at the EOS (the block's
     tokens after it are dropped), exactly as plain decoding stops."""
-    plain, dflash = runs
+    plain, dflash, trees = runs
     eos_id = 2  # SmolLM2-Instruct's <|im_end|>
-    for ours, theirs in zip(dflash["eos"], plain["eos"], strict=True):
-        assert ours["output_ids"] == theirs["output_ids"]
-        assert ours["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos_id}
-        assert ours["output_ids"][-1] == eos_id and eos_id not in ours["output_ids"][:-1]
-        assert len(ours["output_ids"]) < 48
-        assert ours["meta_info"]["dflash_block_size"][-1] >= 2  # the EOS came from a block, not a plain step
+    for served, key, least in ((dflash, "dflash_block_size", 2), (trees, "dflash_tree_nodes", TREE_NODES)):
+        for ours, theirs in zip(served["eos"], plain["eos"], strict=True):
+            assert ours["output_ids"] == theirs["output_ids"]
+            assert ours["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos_id}
+            assert ours["output_ids"][-1] == eos_id and eos_id not in ours["output_ids"][:-1]
+            assert len(ours["output_ids"]) < 48
+            assert ours["meta_info"][key][-1] >= least  # the EOS came from a block or tree, not a plain step
 
 
 def test_an_aborted_request_ends_with_abort_and_frees_its_kv_slots(runs):
@@ -214,7 +241,7 @@ def test_an_aborted_request_ends_with_abort_and_frees_its_kv_slots(runs):
         assert meta["completion_tokens"] < 200
         # Once idle, no request holds a KV slot (the draft K/V live in the same pool's slots).
         assert run["idle"]["num_used_tokens"] == 0, run["idle"]
-    assert "memory leak detected" not in runs[1]["log"]
+        assert "memory leak detected" not in run["log"]
 
 
 def test_sigterm_with_requests_in_flight_answers_them_and_ends_every_process(runs):

@@ -3,9 +3,9 @@
 // fp32 once and reused by all of them. Keys (context, then the block's own K/V) stream through in
 // tiles of absolute positions with an online softmax, so a verify row computes bit for bit what
 // decoding its token alone computes. In tree mode (tree_parents) a block row sees the context and
-// the block rows of its ancestors only (a bitmask per row, built per task); its keys then sit at
-// other positions than its path's tokens would in decoding, so there the match is to fp32 rounding.
-// Buffers are allocated once per thread chunk.
+// the block rows of its ancestors only (a bitmask per row, built per task), and a node's key sits
+// at the position of its depth (siblings share one), so a node too computes bit for bit what
+// decoding its path computes. Buffers are allocated once per thread chunk.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -102,12 +102,17 @@ struct Scratch {
   std::vector<float> acc;    // [R, D]  un-normalised output
   std::vector<float> max, sum;       // [R] online-softmax state
   std::vector<float> scale, tile_sum;  // [R] per-tile work: new max / rescale factor, exp sums
-  std::vector<uint64_t> sees;  // [B, words] tree mode: bit c of row i = block row c is i or its ancestor
+  // Tree mode: bit c of row i = block row c is i or its ancestor; each row's depth; the rows in
+  // (depth, row) order, the order their keys stream in.
+  std::vector<uint64_t> sees;  // [B, words]
+  std::vector<int64_t> depth, by_depth;  // [B]
+  // `tile`: the most keys one tile holds (in tree mode kTile positions hold up to B nodes more).
   Scratch(const Problem& p, int64_t tile)
       : q_t(p.head_dim * p.padded_rows()), k(tile * p.head_dim), v(tile * p.head_dim),
         score(tile * p.padded_rows()), acc(p.padded_rows() * p.head_dim), max(p.padded_rows()),
         sum(p.padded_rows()), scale(p.padded_rows()), tile_sum(p.padded_rows()),
-        sees(p.block_size * p.tree_words()) {}
+        sees(p.block_size * p.tree_words()), depth(p.tree_words() ? p.block_size : 0),
+        by_depth(depth.size()) {}
 };
 
 // Online-softmax update of all R query rows with one tile of `n` keys whose scores are in
@@ -175,6 +180,50 @@ void attend_tile(Scratch& s, const Problem& p, int64_t n, bool masked, Visible v
                         p.head_dim);
 }
 
+// Tree mode's key stream of one (request, kv head) task: the context, then node c at position
+// ctx + depth(c); a tile holds the context tokens and the nodes of its kTile positions, nodes in
+// (depth, row) order, and row i sees the context and the nodes set in its ancestor bitmask. A
+// node's ancestors are one per depth, in depth order, at the positions its path's tokens hold in
+// decoding: the same keys in the same tiles in the same order as decoding that path.
+template <typename scalar_t, typename ContextKey, typename BlockKey>
+void attend_tree(Scratch& s, const Problem& p, int64_t b, int64_t ctx, ContextKey context_key,
+                 BlockKey block_key) {
+  const int64_t B = p.block_size, words = p.tree_words();
+  const int64_t* parent = p.tree_parents + b * B;
+  for (int64_t i = 0; i < B; ++i) {  // parents come first (checked): a parent's row is complete
+    uint64_t* row = s.sees.data() + i * words;
+    if (parent[i] >= 0) {
+      std::copy_n(s.sees.data() + parent[i] * words, words, row);
+      s.depth[i] = s.depth[parent[i]] + 1;
+    } else {  // the root, or an unused node: sees only itself, at depth 0
+      std::fill_n(row, words, uint64_t{0});
+      s.depth[i] = 0;
+    }
+    row[i / 64] |= uint64_t{1} << (i % 64);
+    s.by_depth[i] = i;
+  }
+  std::stable_sort(s.by_depth.begin(), s.by_depth.end(),
+                   [&](int64_t x, int64_t y) { return s.depth[x] < s.depth[y]; });
+  auto sees = [&](int64_t i, int64_t c) { return ((s.sees[i * words + c / 64] >> (c % 64)) & 1) != 0; };
+  for (int64_t t0 = 0, next = 0; next < B; t0 += kTile) {
+    const int64_t n_ctx = std::max<int64_t>(0, std::min(t0 + kTile, ctx) - t0);
+    int64_t stop = next;  // nodes next..stop-1 (in depth order) sit at positions < t0 + kTile
+    while (stop < B && ctx + s.depth[s.by_depth[stop]] < t0 + kTile) ++stop;
+    const int64_t n = n_ctx + stop - next;
+    load_tile<scalar_t>(s, n, p.head_dim, [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
+      if (c < n_ctx) {
+        context_key(t0 + c, k, v);
+      } else {
+        block_key(s.by_depth[next + c - n_ctx], k, v);
+      }
+    });
+    attend_tile(s, p, n, stop > next, [&](int64_t i, int64_t c) {
+      return c < n_ctx || sees(i, s.by_depth[next + c - n_ctx]);
+    });
+    next = stop;
+  }
+}
+
 template <typename scalar_t, typename table_t>
 void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
                             const at::Tensor& v_block, const at::Tensor& k_cache,
@@ -191,7 +240,7 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
   const int64_t B = p.block_size, G = p.group, D = p.head_dim, rows = p.padded_rows();
 
   at::parallel_for(0, batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(p, kTile);
+    Scratch s(p, kTile + (p.tree_words() ? B : 0));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / p.kv_heads, h = task % p.kv_heads;
       const int64_t ctx = ctx_len[b];
@@ -207,48 +256,43 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
       std::fill(s.max.begin(), s.max.end(), -INFINITY);
       std::fill(s.sum.begin(), s.sum.end(), 0.0f);
 
-      // Keys by absolute position: context token j at j, block row c at ctx + c. Tiles cover
-      // kTile positions aligned to multiples of kTile, whatever the split between context and
-      // block, and a masked key adds an exact 0 to every sum: so a row's output is bitwise the same
-      // whether the tokens before it come from the cache (decode, B = 1) or from its own block
-      // (verify). Row i (position ctx + i) sees context token j when ctx + i - j < window.
-      const int64_t first = p.window >= 1 ? std::max<int64_t>(0, ctx - p.window + 1) : 0;
-      const int64_t end = ctx + B;
-      const int64_t words = p.tree_words();
-      if (words) {  // parents come first (checked), so a parent's row is complete when a child copies it
-        const int64_t* parent = p.tree_parents + b * B;
-        for (int64_t i = 0; i < B; ++i) {
-          uint64_t* row = s.sees.data() + i * words;
-          if (parent[i] >= 0) {
-            std::copy_n(s.sees.data() + parent[i] * words, words, row);
-          } else {
-            std::fill_n(row, words, uint64_t{0});
-          }
-          row[i / 64] |= uint64_t{1} << (i % 64);
-        }
-      }
-      auto visible = [&](int64_t i, int64_t pos) {
-        if (pos < ctx) return p.window < 1 || ctx + i - pos < p.window;
-        const int64_t c = pos - ctx;
-        if (words) return ((s.sees[i * words + c / 64] >> (c % 64)) & 1) != 0;
-        return !(p.causal_block && c > i) && (p.window < 1 || std::abs(i - c) < p.window);
+      // Keys by absolute position: context token j at j, block row c at ctx + c (in tree mode at
+      // ctx + its depth). Tiles cover kTile positions aligned to multiples of kTile, whatever the
+      // split between context and block, and a masked key adds an exact 0 to every sum: so a row's
+      // output is bitwise the same whether the tokens before it come from the cache (decode, B = 1)
+      // or from its own block (verify, or its path in a tree). Row i (position ctx + i) sees
+      // context token j when ctx + i - j < window.
+      auto context_key = [&](int64_t pos, const scalar_t*& k, const scalar_t*& v) {
+        const int64_t slot = static_cast<int64_t>(slots[pos]);
+        k = kc_ptr + slot * k_cache.stride(0) + h * k_cache.stride(1);
+        v = vc_ptr + slot * v_cache.stride(0) + h * v_cache.stride(1);
       };
-      for (int64_t t0 = first / kTile * kTile; t0 < end; t0 += kTile) {
-        const int64_t n = std::min(kTile, end - t0);
-        load_tile<scalar_t>(s, n, D, [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
-          const int64_t pos = t0 + c;
-          if (pos < ctx) {
-            const int64_t slot = static_cast<int64_t>(slots[pos]);
-            k = kc_ptr + slot * k_cache.stride(0) + h * k_cache.stride(1);
-            v = vc_ptr + slot * v_cache.stride(0) + h * v_cache.stride(1);
-          } else {
-            k = kb_ptr + (b * B + pos - ctx) * k_block.stride(0) + h * k_block.stride(1);
-            v = vb_ptr + (b * B + pos - ctx) * v_block.stride(0) + h * v_block.stride(1);
-          }
-        });
-        const bool masked = p.window >= 1 || t0 < first || (p.causal_block && t0 + n > ctx + 1) ||
-                            (words && t0 + n > ctx);
-        attend_tile(s, p, n, masked, [&](int64_t i, int64_t c) { return visible(i, t0 + c); });
+      auto block_key = [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
+        k = kb_ptr + (b * B + c) * k_block.stride(0) + h * k_block.stride(1);
+        v = vb_ptr + (b * B + c) * v_block.stride(0) + h * v_block.stride(1);
+      };
+      if (p.tree_words()) {
+        attend_tree<scalar_t>(s, p, b, ctx, context_key, block_key);
+      } else {
+        const int64_t first = p.window >= 1 ? std::max<int64_t>(0, ctx - p.window + 1) : 0;
+        const int64_t end = ctx + B;
+        auto visible = [&](int64_t i, int64_t pos) {
+          if (pos < ctx) return p.window < 1 || ctx + i - pos < p.window;
+          const int64_t c = pos - ctx;
+          return !(p.causal_block && c > i) && (p.window < 1 || std::abs(i - c) < p.window);
+        };
+        for (int64_t t0 = first / kTile * kTile; t0 < end; t0 += kTile) {
+          const int64_t n = std::min(kTile, end - t0);
+          load_tile<scalar_t>(s, n, D, [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
+            if (t0 + c < ctx) {
+              context_key(t0 + c, k, v);
+            } else {
+              block_key(t0 + c - ctx, k, v);
+            }
+          });
+          const bool masked = p.window >= 1 || t0 < first || (p.causal_block && t0 + n > ctx + 1);
+          attend_tile(s, p, n, masked, [&](int64_t i, int64_t c) { return visible(i, t0 + c); });
+        }
       }
 
       for (int64_t i = 0; i < B; ++i) {

@@ -113,9 +113,9 @@ def block_attention(
     Tree mode (verifying a draft tree, DESIGN.md 3.3): `tree_parents` int32 / int64 [bs, B], the
     block's rows being the tree's nodes in an order where parents come first (tree_parents[b, i] < i;
     -1 for the root and for unused nodes), and block row i sees the context, itself and its
-    ancestors only. Neither `window` nor `causal_block` goes with it. A node's output equals
-    decoding its path to within fp32 rounding (not bit for bit: its ancestors' keys sit at other
-    block rows than a chain's would).
+    ancestors only. Neither `window` nor `causal_block` goes with it. On CPU a node's output is
+    bitwise what decoding its path computes (its keys stream at its depth's position); on CUDA it
+    agrees to fp32 rounding.
     Returns out [N, Hq, D] in q's dtype.
     """
     if sm_scale is None:

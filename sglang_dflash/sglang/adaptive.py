@@ -2,7 +2,8 @@
 
 The choice is the engine's (`sglang_dflash.engine.block_size.BlockSizeController`): per batch
 size, the block size b (1 = a plain target step) with the most expected tokens per second, from
-live per-position acceptance and measured step times. This module only makes SGLang's worker run
+live per-position acceptance and measured step times; with draft trees on (trees.py), chain or
+tree as `ChainOrTreeController` chooses (a tree of n nodes runs at block size n + 1). This module only makes SGLang's worker run
 a step at a size other than the one it was built for.
 
 `DFlashWorkerV2` sizes its draft-block buffers, block position offsets, the draft forward's spec
@@ -29,6 +30,7 @@ import types
 import torch
 
 from sglang_dflash.engine.block_size import BlockSizeController
+from sglang_dflash.engine.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
 
 logger = logging.getLogger(__name__)
 
@@ -149,27 +151,40 @@ def skip_draft_forward_at_block_size_one(worker) -> None:
 
 
 class AdaptiveBlockSize:
-    """Chooses each decode step's block size, runs the step at it, and learns from the result."""
+    """Chooses each decode step's block size (and, with `tree_budget`, chain or draft tree:
+    trees.py), runs the step at it, and learns from the result."""
 
-    def __init__(self, worker, max_block_size: int, log_every_s: float = 30.0):
-        self.controller = BlockSizeController(max_block_size)
+    def __init__(self, worker, max_block_size: int, tree_budget: int = 0, log_every_s: float = 30.0):
+        budgets = tree_budgets_up_to(tree_budget) if tree_budget else []
+        self.controller = ChainOrTreeController(BlockSizeController(max_block_size), budgets)
         self.states = BlockSizeStates(worker)
         skip_draft_forward_at_block_size_one(worker)
         self.log_every_s = log_every_s
         self._chosen: collections.Counter = collections.Counter()  # (batch size, block size) -> steps
         self._last_log = -math.inf
 
-    def run_step(self, reqs: list, step):
-        """`step()` runs one decode step of `reqs` at the chosen block size; returns its result."""
+    def run_step(self, reqs: list, step, trees=None):
+        """`step()` runs one decode step of `reqs` at the chosen block size; returns its result.
+        `trees`: the worker's ServedTrees where this step may be a tree, else None (a chain)."""
         batch_size = len(reqs)
-        block_size = self.controller.choose(batch_size)
-        self.states.use(block_size)
+        if trees is not None:
+            block_size, budget = self.controller.choose(batch_size)
+        else:
+            block_size, budget = self.controller.chains.choose(batch_size), 0
+        rows = budget + 1 if budget else block_size
+        self.states.use(rows)
+        if budget:
+            trees.begin(budget)
         start = time.perf_counter()
         result = step()
         seconds = time.perf_counter() - start
         commits = result.accept_lens.to("cpu", torch.int64).tolist()
-        self.controller.observe(block_size, [n - 1 for n in commits], seconds)
-        self._report(reqs, commits, block_size)
+        accepted = [n - 1 for n in commits]
+        if trees is not None:
+            self.controller.observe(block_size, budget, accepted, seconds)
+        else:
+            self.controller.chains.observe(block_size, accepted, seconds)
+        self._report(reqs, commits, rows)
         return result
 
     def _report(self, reqs: list, commits: list[int], block_size: int) -> None:
@@ -185,7 +200,8 @@ class AdaptiveBlockSize:
         if now - self._last_log >= self.log_every_s:
             self._last_log = now
             chosen = ", ".join(f"batch {bs}: B={b} x{n}" for (bs, b), n in sorted(self._chosen.items()))
-            expected = " ".join(f"{e:.2f}" for e in self.controller.expected_tokens())
+            chains = self.controller.chains
+            expected = " ".join(f"{e:.2f}" for e in chains.expected_tokens())
             logger.info("sglang-dflash: adaptive block size, steps since the last report: %s (expected tokens "
-                        "per step at B=1..%d: %s)", chosen, self.controller.max_block_size, expected)
+                        "per step at B=1..%d: %s)", chosen, chains.max_block_size, expected)
             self._chosen.clear()

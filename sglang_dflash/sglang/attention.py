@@ -3,7 +3,8 @@
 In a DFLASH step every request has a block of B rows: the draft's block (anchor + B-1 masks,
 non-causal: ENCODER_ONLY layers) and the target's verify (causal among the B rows). Both attend to
 the request's context in SGLang's token-slot KV pool (`seq_lens[b]` tokens, slots through
-`req_to_token`) plus the block's own K/V, which is exactly `block_attention` (DESIGN.md 3.1).
+`req_to_token`) plus the block's own K/V, which is exactly `block_attention` (DESIGN.md 3.1). In a
+tree step (trees.py) the target's verify block is a draft tree: its causal layers run the tree mode.
 
 `install_draft_attention(worker)` wraps each draft layer's `RadixAttention.forward` (per instance,
 before any CUDA graph is captured) so that DFLASH TARGET_VERIFY calls run `paged_block_attention`
@@ -80,6 +81,7 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     from sglang_dflash.ops import block_attention
+    from sglang_dflash.sglang import trees
 
     hq, hkv, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
     if k is not None and v is not None:  # as RadixAttention.forward hands them to a backend
@@ -100,6 +102,13 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
         k3, v3 = k, v
     # A decode step's seq_lens count the new token, which is the block; TARGET_VERIFY's do not.
     ctx_lens = forward_batch.seq_lens - 1 if decode else forward_batch.seq_lens
+    causal = decode or _causal(layer)
+    tree = None if decode or not causal else trees.verify_parents()  # a target verify of a draft tree
+    if tree is not None:
+        if tuple(tree.shape) != (bs, n_rows // bs):
+            raise RuntimeError(f"the draft tree's parents {tuple(tree.shape)} do not describe this verify's "
+                               f"{bs} blocks of {n_rows // bs} rows")
+        trees.count_verify_layer()
     out = block_attention(
         q3,
         k3.to(q3.dtype),
@@ -112,7 +121,8 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
         n_rows // bs,
         sm_scale=layer.scaling,
         window=_window(layer),
-        causal_block=decode or _causal(layer),
+        causal_block=causal and tree is None,
+        tree_parents=tree,
     )
     return out.reshape(n_rows, hq * layer.v_head_dim)
 

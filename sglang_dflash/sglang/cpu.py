@@ -281,8 +281,18 @@ def batch_invariant_enabled() -> bool:
     return env_switch(ENV_BATCH_INVARIANT) is not False
 
 
+_hooks_registered = False
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    global _hooks_registered
     for target, hook in HOOKS + (BATCH_INVARIANT_HOOKS if batch_invariant_enabled() else ()):
         HookRegistry.register(target, hook, HookType.AROUND)
+    _hooks_registered = True
+
+
+def hooks_registered() -> bool:
+    """Whether this process registered the CPU hooks (so TARGET_VERIFY attention runs ours)."""
+    return _hooks_registered

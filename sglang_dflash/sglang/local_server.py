@@ -49,7 +49,8 @@ def server_env(tmp_dir: Path, **overrides: str) -> dict:
         path.insert(0, str(dist.parent))
     env = dict(os.environ)
     # Switches inherited from the caller's shell would silently change what is measured or tested.
-    for var in ("SGLANG_DFLASH_DISABLE", "SGLANG_DFLASH_STRICT", "SGLANG_PLUGINS"):
+    for var in ("SGLANG_DFLASH_DISABLE", "SGLANG_DFLASH_STRICT", "SGLANG_PLUGINS", "SGLANG_DFLASH_ADAPTIVE",
+                "SGLANG_DFLASH_TREE_BUDGET", "SGLANG_DFLASH_TREE_TOPK"):
         env.pop(var, None)
     env.update(
         PYTHONPATH=os.pathsep.join(path + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),

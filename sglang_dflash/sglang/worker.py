@@ -162,6 +162,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
         self._context_kv = None
         self._init_dflash_kernels(_runtime_context.get_spec(), ())  # SGLang's path until the self-test
         self._init_draft_vocab()
+        self._init_trees()
         self._init_adaptive_block_size()
         if getattr(self.draft_model_runner, "token_to_kv_pool", None) is not None:
             self._start_dflash_kernels()
@@ -231,6 +232,44 @@ class DFlashKernelWorker(DFlashWorkerV2):
             logger.info("sglang-dflash: drafts take the %d ids of %s/draft_vocab.safetensors (vocabulary %d)",
                         self._draft_vocab.numel(), path, vocab_size)
 
+    def _init_trees(self) -> None:
+        """Draft trees (trees.py) where SGLANG_DFLASH_TREE_BUDGET asks for them (a bad value stops
+        the start with an error naming the variable); `init_attention_backends` then keeps them
+        only where this worker can run them."""
+        from sglang_dflash.sglang.trees import ServedTrees, tree_options
+
+        self._trees = self._tree_states = None
+        self._max_block_size = int(self.block_size)
+        options = tree_options(self._max_block_size, int(self.model_runner.model_config.vocab_size))
+        if options is not None:
+            self._trees = ServedTrees(self, *options)
+
+    def init_attention_backends(self, *args, **kwargs):
+        super().init_attention_backends(*args, **kwargs)
+        if self._trees is None:
+            return
+        # Only now are the target's attention backend and SGLang's Mamba check known.
+        from sglang_dflash.sglang.adaptive import BlockSizeStates
+        from sglang_dflash.sglang.trees import ENV_TREE_BUDGET, tree_problem
+
+        problem = tree_problem(self) or self._tree_head_problem()
+        if problem is not None:
+            logger.warning("sglang-dflash: %s=%d ignored, every step verifies a chain: %s", ENV_TREE_BUDGET,
+                           self._trees.budget, problem)
+            self._trees = None
+            return
+        if self._adaptive is None:  # else the adaptive block size switches the block sizes
+            self._tree_states = BlockSizeStates(self)
+        logger.info("sglang-dflash: draft trees on: %s nodes (top %d per position)",
+                    f"up to {self._trees.budget}" if self._adaptive is not None else self._trees.budget,
+                    self._trees.topk)
+
+    def _tree_head_problem(self) -> str | None:
+        weight = getattr(getattr(self.target_worker.model_runner.model, "lm_head", None), "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in _LOGIT_DTYPES:
+            return "the target's LM head is not a plain weight (the tree's top-k reads it)"
+        return None
+
     def _init_adaptive_block_size(self) -> None:
         from sglang_dflash.sglang.adaptive import AdaptiveBlockSize, adaptive_problem, adaptive_wanted
 
@@ -242,7 +281,8 @@ class DFlashKernelWorker(DFlashWorkerV2):
             logger.info("sglang-dflash: adaptive block size off: %s; every step runs B=%d", problem,
                         self.block_size)
             return
-        self._adaptive = AdaptiveBlockSize(self, int(self.block_size))
+        self._adaptive = AdaptiveBlockSize(self, int(self.block_size),
+                                           self._trees.budget if self._trees is not None else 0)
         logger.info("sglang-dflash: adaptive block size on: each decode step runs B in 1..%d (%s=0 pins B)",
                     self.block_size, "SGLANG_DFLASH_ADAPTIVE")
 
@@ -283,19 +323,43 @@ class DFlashKernelWorker(DFlashWorkerV2):
     # -- steps -----------------------------------------------------------------------------
 
     def forward_batch_generation(self, batch, *args, **kwargs):
-        run = super().forward_batch_generation
+        def run():
+            return super(DFlashKernelWorker, self).forward_batch_generation(batch, *args, **kwargs)
+
         if (
-            self._adaptive is None
-            or batch.forward_mode.is_extend()
+            batch.forward_mode.is_extend()
             or batch.is_extend_in_batch
             or batch.forward_mode.is_idle()
             or _sgl_worker.SIMULATE_ACC_LEN > 0
         ):
-            result = run(batch, *args, **kwargs)
+            result = run()
         else:
-            result = self._adaptive.run_step(batch.reqs, lambda: run(batch, *args, **kwargs))
+            result = None
+            trees = self._trees if self._tree_step_ok(batch) else None
+            if trees is not None:
+                trees.logits_in_path_order = bool(batch.return_logprob)
+            try:
+                if self._adaptive is not None:
+                    result = self._adaptive.run_step(batch.reqs, run, trees)
+                elif self._tree_states is not None:  # trees at a fixed budget; chains at the full block
+                    self._tree_states.use(self._trees.budget + 1 if trees is not None else self._max_block_size)
+                    if trees is not None:
+                        trees.begin(trees.budget)
+                    result = run()
+                else:
+                    result = run()
+            finally:
+                if self._trees is not None:
+                    self._trees.finish(batch.reqs, None if result is None else result.accept_lens.tolist())
         self._abort_on_device_errors(batch.reqs)
         return result
+
+    def _tree_step_ok(self, batch) -> bool:
+        """Whether this decode step may verify a tree (trees.py): trees on, a batch that needs
+        nothing only chains give, and our verify kernels with the lossless acceptance rule."""
+        from sglang_dflash.sglang.trees import batch_problem
+
+        return self._trees is not None and self._kernel_sampling_ok() and batch_problem(batch) is None
 
     def _abort_on_device_errors(self, reqs: list) -> None:
         """On CUDA our kernels do not trap on an out-of-range index (a trap would end the server's
@@ -316,8 +380,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
             for req in reqs:
                 req.set_finish_with_abort(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
 
-    def _append_target_hidden_to_draft_kv_by_loc(self, *, target_hidden, cache_loc, positions, cache_loc_2d=None,
-                                                 commit_lens=None, extend_lens=None):
+    def _write_draft_context(self, *, target_hidden, cache_loc, positions, cache_loc_2d, commit_lens, extend_lens):
         if self._context_kv is None or target_hidden is None or getattr(self, "lilicorr", None) is not None:
             return super()._append_target_hidden_to_draft_kv_by_loc(
                 target_hidden=target_hidden, cache_loc=cache_loc, positions=positions, cache_loc_2d=cache_loc_2d,
@@ -325,7 +388,17 @@ class DFlashKernelWorker(DFlashWorkerV2):
             )
         self._context_kv.write(target_hidden, cache_loc, positions, cache_loc_2d, commit_lens)
 
+    def _append_target_hidden_to_draft_kv_by_loc(self, *, target_hidden, cache_loc, positions, cache_loc_2d=None,
+                                                 commit_lens=None, extend_lens=None):
+        if self._trees is not None and self._trees.path is not None and target_hidden is not None:
+            # A tree step: the drafter's context continues along the accepted path only.
+            target_hidden, positions = self._trees.path_context(target_hidden, positions)
+        self._write_draft_context(target_hidden=target_hidden, cache_loc=cache_loc, positions=positions,
+                                  cache_loc_2d=cache_loc_2d, commit_lens=commit_lens, extend_lens=extend_lens)
+
     def _greedy_sample_from_vocab_parallel_head(self, *, hidden_states, lm_head, chunk_size: int = 256):
+        if self._trees is not None and self._trees.drafting:
+            return self._trees.draft(hidden_states, lambda hidden: self._draft_logits(hidden, lm_head))
         rows = self._draft_head_rows(lm_head)
         if rows is None or hidden_states.numel() == 0:
             return super()._greedy_sample_from_vocab_parallel_head(
@@ -335,6 +408,17 @@ class DFlashKernelWorker(DFlashWorkerV2):
 
         logits = linear(hidden_states.to(rows.dtype), rows)
         return self._draft_vocab[logits.max(-1).indices]
+
+    def _draft_logits(self, hidden_states, lm_head) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft head's logits for `hidden_states` and the target id of each column (None:
+        the column is the id): over the draft vocabulary where there is one, else the whole head."""
+        from sglang_dflash.models.skinny import linear
+
+        rows = self._draft_head_rows(lm_head)
+        if rows is not None:
+            return linear(hidden_states.to(rows.dtype), rows), self._draft_vocab
+        weight = lm_head.weight[: int(self.model_runner.model_config.vocab_size)]
+        return linear(hidden_states.to(weight.dtype), weight), None
 
     def _draft_head_rows(self, lm_head) -> torch.Tensor | None:
         """The target LM head's rows of the draft vocabulary (a contiguous copy, re-cut when the
@@ -402,6 +486,8 @@ class DFlashKernelWorker(DFlashWorkerV2):
                 target_predict=target_predict,
             )
 
+        if self._trees is not None and self._trees.trees is not None:
+            return self._accept_tree(next_token_logits, sampling_info, prefix_lens, bs, target_predict)
         if getattr(self, "_selector_sample", None) is not None or _sgl_worker.SIMULATE_ACC_LEN > 0:
             return parent()
 
@@ -453,6 +539,17 @@ class DFlashKernelWorker(DFlashWorkerV2):
             self._dflash_logged = True
             logger.info("sglang-dflash: first verify on %s ran sglang_dflash kernels", cands.device)
         return self._store_accept(cands, accept_len, bonus, out, prefix_lens, bs)
+
+    def _accept_tree(self, next_token_logits, sampling_info, prefix_lens, bs: int, target_predict):
+        """`_accept_block` of a tree step: verify_tree with the target's argmax ids, its greedy
+        argmax or its Gumbel-max samples (keyed as a chain's rows are), then the accepted path's
+        K/V into place (trees.py)."""
+        sampling = None
+        if target_predict is None and not _sgl_worker._is_all_greedy(sampling_info):
+            temperature, top_k, top_p, offsets = self._sampling_args(sampling_info, prefix_lens, bs)
+            sampling = (temperature, top_k, top_p, self._dflash_seed, offsets)
+        accept_len, bonus, out = self._trees.accept(next_token_logits, target_predict, sampling)
+        return self._store_accept(self._trees.trees.tokens, accept_len, bonus, out, prefix_lens, bs)
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -1,0 +1,229 @@
+"""The served tree step's parts on SGLang's real CPU objects (trees.py): the tree mask in the
+TARGET_VERIFY attention over SGLang's KV pool, the accepted path's K/V moved into place, the draft
+head's trees and positions, the drafter's context along the path, and the settings' errors. The
+whole step through a real server: test_sglang_smollm2_server.py. Needs SGLang."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+
+import pytest
+import torch
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("SGLang is not installed (scripts/install_sglang_cpu.sh VENV installs it beside the package)",
+                allow_module_level=True)
+
+from sglang_dflash import ops
+from sglang_dflash.ops import reference
+from sglang_dflash.ops.testing import follow_targets, make_tree
+from sglang_dflash.sglang import trees
+
+
+@pytest.fixture(autouse=True)
+def no_tree_left():
+    trees._publish(None)
+    yield
+    trees._publish(None)
+
+
+def _pool(layers, size=96, hkv=2, dim=16, seed=0):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    gen = torch.Generator().manual_seed(seed)
+    pool = MHATokenToKVPool(size=size, page_size=1, dtype=torch.float32, head_num=hkv, head_dim=dim,
+                            layer_num=layers, device="cpu", enable_memory_saver=False)
+    for layer in range(layers):
+        for buffer in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+            buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    return pool
+
+
+def _verify_case(attn_type, nodes=6, ctx=(5, 70, 0), seed=0):
+    """A TARGET_VERIFY call of `len(ctx)` requests with blocks of `nodes` rows over SGLang's pool."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, dim, bs = 4, 2, 16, len(ctx)
+    pool = _pool(1, size=sum(ctx) + bs * nodes + 8, seed=seed)
+    slots = torch.randperm(sum(ctx) + bs * nodes, generator=gen) + 1
+    table = torch.zeros(bs + 1, max(ctx) + nodes + 3, dtype=torch.int32)
+    rows, out_loc, used = torch.tensor([2, 0, 3])[:bs], [], 0
+    for b in range(bs):
+        table[rows[b], : ctx[b] + nodes] = slots[used : used + ctx[b] + nodes].int()
+        out_loc.append(table[rows[b], ctx[b] : ctx[b] + nodes])
+        used += ctx[b] + nodes
+    layer = RadixAttention(hq, dim, 0.3, hkv, layer_id=0, attn_type=attn_type)
+    fb = types.SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY, spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=None,
+        req_pool_indices=rows, seq_lens=torch.tensor(ctx), out_cache_loc=torch.cat(out_loc).long(),
+    )
+    q, k, v = (torch.randn(bs * nodes, h * dim, generator=gen) for h in (hq, hkv, hkv))
+    return layer, pool, table, fb, q, k, v
+
+
+def test_verify_attention_applies_the_published_tree_and_counts_the_layer():
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from sglang_dflash.sglang.attention import paged_block_attention
+
+    nodes = 6
+    layer, pool, table, fb, q, k, v = _verify_case(AttentionType.DECODER, nodes)
+    context_k, context_v = pool.get_key_buffer(0).clone(), pool.get_value_buffer(0).clone()
+    _, parents, _ = make_tree(3, nodes, 50, torch.Generator().manual_seed(3), unused=0.2)
+    trees._publish(parents)
+    out = paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table)
+    assert trees._verify_layers == 1
+    args = dict(q=q.view(-1, 4, 16), k_block=k.view(-1, 2, 16), v_block=v.view(-1, 2, 16), k_cache=context_k,
+                v_cache=context_v, req_to_token=table, req_pool_indices=fb.req_pool_indices, ctx_lens=fb.seq_lens,
+                block_size=nodes, sm_scale=0.3)
+    expected = reference.block_attention(**args, tree_parents=parents)
+    torch.testing.assert_close(out, expected.reshape(out.shape), rtol=1e-5, atol=1e-5)
+    chain = reference.block_attention(**args, causal_block=True)
+    assert (out - chain.reshape(out.shape)).abs().max() > 1e-3  # the tree's mask, not the chain's
+
+    # Without a tree, and in the drafter's (non-causal) layers, the block is what it was.
+    trees._publish(None)
+    torch.testing.assert_close(paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table),
+                               chain.reshape(out.shape), rtol=1e-5, atol=1e-5)
+    draft_layer, *_ = _verify_case(AttentionType.ENCODER_ONLY, nodes)
+    trees._publish(parents)
+    drafted = paged_block_attention(q, k, v, draft_layer, fb, kv_pool=pool, req_to_token=table)
+    torch.testing.assert_close(drafted, reference.block_attention(**args).reshape(out.shape), rtol=1e-5, atol=1e-5)
+    assert trees._verify_layers == 0
+
+    with pytest.raises(RuntimeError, match="do not describe this verify's 3 blocks of 6 rows"):
+        trees._publish(parents[:, :5])
+        paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_accepted_path_moves_into_consecutive_slots_in_every_layer(seed):
+    gen = torch.Generator().manual_seed(seed)
+    bs, nodes, layers = 4, 9, 3
+    pool = _pool(layers, size=bs * nodes + 20, seed=seed)
+    before = [(pool.get_key_buffer(i).clone(), pool.get_value_buffer(i).clone()) for i in range(layers)]
+    tokens, parents, depths = make_tree(bs, nodes, 6, gen)
+    target = torch.randint(0, 6, (bs, nodes), generator=gen)
+    tokens = follow_targets(tokens, parents, target, gen, follow=0.8)
+    accept_len, path, _ = ops.verify_tree_from_ids(tokens, parents, depths, target)
+    assert int(accept_len.max()) >= 2  # the paths go somewhere
+    loc = (torch.randperm(bs * nodes + 19, generator=gen)[: bs * nodes] + 1).view(bs, nodes).int()
+    moved = trees.move_path_kv(pool, loc, path, accept_len)
+    assert moved == sum(int((path[b, : int(accept_len[b]) + 1] != torch.arange(int(accept_len[b]) + 1)).sum())
+                        for b in range(bs))
+    for layer, (k0, v0) in enumerate(before):
+        k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+        expected_k, expected_v = k0.clone(), v0.clone()
+        for b in range(bs):
+            for j in range(int(accept_len[b]) + 1):
+                expected_k[loc[b, j]] = k0[loc[b, path[b, j]]]
+                expected_v[loc[b, j]] = v0[loc[b, path[b, j]]]
+        assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_verify_rows_move_into_path_order(seed):
+    """SGLang's logprobs read verify row j as output position j's prediction: after the move, row j
+    is the accepted path's node j's (and rows past the path the root's)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, nodes, vocab = 4, 9, 11
+    tokens, parents, depths = make_tree(bs, nodes, 6, gen)
+    target = torch.randint(0, 6, (bs, nodes), generator=gen)
+    tokens = follow_targets(tokens, parents, target, gen, follow=0.8)
+    accept_len, path, _ = ops.verify_tree_from_ids(tokens, parents, depths, target)
+    assert int(accept_len.max()) >= 2  # the paths go somewhere
+    logits = torch.randn(bs * nodes, vocab, generator=gen)
+    before = logits.clone()
+    trees.rows_in_path_order(logits, path)
+    for b in range(bs):
+        for j in range(nodes):
+            node = int(path[b, j]) if j <= int(accept_len[b]) else 0
+            assert torch.equal(logits[b * nodes + j], before[b * nodes + node])
+
+
+class _DraftWorker:
+    """The attributes of DFlashKernelWorker that ServedTrees.draft reads (a stand-in: a real worker
+    needs a running SGLang server, where test_sglang_smollm2_server.py runs the whole step)."""
+
+    def __init__(self, bs, block, prefix):
+        self.block_size = block
+        self._draft_block_ids_buf = torch.full((bs + 2, block), 7, dtype=torch.int64)
+        self._draft_block_ids_buf[:bs, 0] = torch.arange(bs) + 100
+        self._draft_block_positions_buf = prefix[:, None].repeat(1, block) + torch.arange(block)
+        self._draft_block_positions_buf = torch.cat([self._draft_block_positions_buf, torch.zeros(2, block,
+                                                                                                    dtype=torch.int64)])
+
+
+def test_draft_builds_the_trees_and_their_positions_and_the_context_follows_the_path():
+    bs, n, topk, vocab, hidden = 3, 7, 3, 40, 8
+    prefix = torch.tensor([11, 0, 64])
+    worker = _DraftWorker(bs, n + 1, prefix)
+    served = trees.ServedTrees(worker, n, topk)
+    served.begin(n)
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(bs * n, hidden, generator=gen)
+    head = torch.randn(vocab, hidden, generator=gen)
+    ids = torch.randperm(100, generator=gen)[:vocab]  # a draft vocabulary: column c is target id ids[c]
+    drafted = served.draft(states, lambda h: (h @ head.T, ids))
+    built = served.trees
+    scores, picks = (states @ head.T).log_softmax(-1).topk(topk, dim=-1)
+    from sglang_dflash.engine.tree import build_trees
+
+    expected = build_trees(torch.arange(bs) + 100, ids[picks].view(bs, n, topk), scores.view(bs, n, topk), [n] * bs)
+    assert torch.equal(built.tokens, expected.tokens) and torch.equal(built.parents, expected.parents)
+    assert torch.equal(drafted, built.tokens[:, 1:].reshape(-1))
+    assert torch.equal(worker._draft_block_positions_buf[:bs], prefix[:, None] + built.depths)
+    assert trees.verify_parents() is built.parents
+    assert built.depths.max() < n  # branches: not the chain
+
+    # After the verify: the context of each request's accepted path, at positions prefix + j.
+    target = torch.randint(0, 100, (bs, n + 1), generator=gen)
+    tokens = follow_targets(built.tokens, built.parents, target, gen, follow=0.9)
+    accept_len, served.path, _ = ops.verify_tree_from_ids(tokens, built.parents, built.depths, target)
+    hidden_states = torch.randn(bs * (n + 1), 5, generator=gen)
+    context, positions = served.path_context(hidden_states, worker._draft_block_positions_buf[:bs].reshape(-1))
+    for b in range(bs):
+        for j in range(int(accept_len[b]) + 1):
+            assert torch.equal(context[b * (n + 1) + j], hidden_states[b * (n + 1) + int(served.path[b, j])])
+            assert int(positions[b * (n + 1) + j]) == int(prefix[b]) + j
+
+    reqs = [types.SimpleNamespace(customized_info=None, output_ids=[1] * (b + 1)) for b in range(bs)]
+    served.finish(reqs, [int(a) + 1 for a in accept_len])
+    assert served.trees is None and served.path is None and not served.drafting and trees.verify_parents() is None
+    for b, req in enumerate(reqs):
+        assert req.customized_info[trees.META_INFO_KEY] == [0] * (b + 1) + [n] * (int(accept_len[b]) + 1)
+
+
+def test_a_tree_needs_the_worker_at_its_block_size():
+    served = trees.ServedTrees(_DraftWorker(1, 8, torch.tensor([3])), 7, 4)
+    with pytest.raises(RuntimeError, match="a tree of 5 nodes needs the worker at block size 6, not 8"):
+        served.begin(5)
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"SGLANG_DFLASH_TREE_BUDGET": "8"}, r"SGLANG_DFLASH_TREE_BUDGET=8: .* n must be in \[1, 7\]"),
+    ({"SGLANG_DFLASH_TREE_BUDGET": "-2"}, r"SGLANG_DFLASH_TREE_BUDGET=-2: .* n must be in \[1, 7\]"),
+    ({"SGLANG_DFLASH_TREE_BUDGET": "four"}, r"SGLANG_DFLASH_TREE_BUDGET='four': expected an integer"),
+    ({"SGLANG_DFLASH_TREE_BUDGET": "7", "SGLANG_DFLASH_TREE_TOPK": "0"}, r"SGLANG_DFLASH_TREE_TOPK=0: .* \[1, 64\]"),
+    ({"SGLANG_DFLASH_TREE_BUDGET": "7", "SGLANG_DFLASH_TREE_TOPK": "65"}, r"SGLANG_DFLASH_TREE_TOPK=65"),
+])
+def test_bad_tree_settings_name_the_variable(monkeypatch, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        trees.tree_options(8, 49152)
+
+
+def test_tree_settings(monkeypatch):
+    monkeypatch.delenv("SGLANG_DFLASH_TREE_BUDGET", raising=False)
+    assert trees.tree_options(8, 100) is None
+    monkeypatch.setenv("SGLANG_DFLASH_TREE_BUDGET", "0")
+    assert trees.tree_options(8, 100) is None
+    monkeypatch.setenv("SGLANG_DFLASH_TREE_BUDGET", "7")
+    assert trees.tree_options(8, 100) == (7, trees.DEFAULT_TREE_TOPK)
+    monkeypatch.setenv("SGLANG_DFLASH_TREE_TOPK", "2")
+    assert trees.tree_options(8, 100) == (7, 2)
