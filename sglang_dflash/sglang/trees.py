@@ -131,8 +131,8 @@ def rows_in_path_order(rows: torch.Tensor, path: torch.Tensor) -> None:
     path: the root's), so that row j holds what a chain's row j would, the target's prediction
     for output position j (SGLang's logprobs read a verify's logits in chain order)."""
     bs, nodes = path.shape
-    blocks = rows.view(bs, nodes, -1)
-    index = path.clamp(min=0).to(rows.device)[:, :, None].expand(-1, -1, blocks.shape[-1])
+    blocks = rows.unflatten(0, (bs, nodes))
+    index = path.clamp(min=0).to(rows.device).view(bs, nodes, *([1] * (blocks.dim() - 2))).expand(blocks.shape)
     blocks.copy_(blocks.gather(1, index))
 
 
@@ -217,10 +217,12 @@ class ServedTrees:
             accept_len, path, out = ops.verify_tree_from_ids(trees.tokens, trees.parents, trees.depths,
                                                              target_ids.view(bs, nodes))
         else:
-            if sampling is None:
+            if sampling is None:  # greedy: temperature 0 is the argmax
                 dev = logits.device
-                sampling = (torch.zeros(bs, dtype=torch.float32, device=dev), torch.zeros(bs, dtype=torch.int32, device=dev),
-                            torch.ones(bs, dtype=torch.float32, device=dev), 0, torch.zeros(bs, dtype=torch.int64, device=dev))
+                sampling = (torch.zeros(bs, dtype=torch.float32, device=dev),
+                            torch.zeros(bs, dtype=torch.int32, device=dev),
+                            torch.ones(bs, dtype=torch.float32, device=dev), 0,
+                            torch.zeros(bs, dtype=torch.int64, device=dev))
             accept_len, path, out = ops.verify_tree(trees.tokens, trees.parents, trees.depths, logits.contiguous(),
                                                     *sampling)
         loc = worker._draft_verify_out_cache_loc_buf[:bs]
@@ -236,8 +238,9 @@ class ServedTrees:
         path first (rows past it repeat the root; the commit reads only the accepted ones)."""
         bs, nodes = self.path.shape
         rows = self.path.clamp(min=0)
-        hidden = target_hidden.view(bs, nodes, -1).gather(1, rows[:, :, None].expand(-1, -1, target_hidden.shape[-1]))
-        return hidden.reshape(bs * nodes, -1), positions.view(bs, nodes).gather(1, rows.to(positions.device)).reshape(-1)
+        index = rows[:, :, None].expand(-1, -1, target_hidden.shape[-1])
+        hidden = target_hidden.view(bs, nodes, -1).gather(1, index).reshape(bs * nodes, -1)
+        return hidden, positions.view(bs, nodes).gather(1, rows.to(positions.device)).reshape(-1)
 
     def finish(self, reqs: list, commit_lens: list[int] | None) -> None:
         """End of a decode step: report it (per-token meta info, a periodic log line) and clear the
