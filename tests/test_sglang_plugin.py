@@ -301,6 +301,7 @@ def _bare_worker(cls, block_size, *, random_seed=1234, device="cpu",
     w._tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
     if issubclass(cls, DFlashKernelWorker):
         w._init_dflash_kernels(_spec(), kernel_ops)
+        w._trees = None  # as _init_trees leaves it without SGLANG_DFLASH_TREE_BUDGET
     return w
 
 
