@@ -227,3 +227,23 @@ def test_tree_settings(monkeypatch):
     assert trees.tree_options(8, 100) == (7, trees.DEFAULT_TREE_TOPK)
     monkeypatch.setenv("SGLANG_DFLASH_TREE_TOPK", "2")
     assert trees.tree_options(8, 100) == (7, 2)
+
+
+def test_a_sliding_window_target_is_refused_at_start_up(monkeypatch):
+    """tree_problem on a stand-in worker (only what it reads past adaptive_problem, which needs a
+    running server and is stubbed here): a target layer with a sliding window refuses trees (the
+    tree mode has no window), the same layer without one passes that check."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from sglang_dflash.sglang import adaptive
+
+    monkeypatch.setattr(adaptive, "adaptive_problem", lambda worker: None)
+    model = torch.nn.Module()
+    model.attn = RadixAttention(2, 8, 0.3, 2, layer_id=0, sliding_window_size=4)
+    runner = types.SimpleNamespace(model=model, attn_backend=object.__new__(TorchNativeAttnBackend))
+    worker = types.SimpleNamespace(_tp_size=lambda: 1, _need_mamba_verify_commit=False,
+                                   target_worker=types.SimpleNamespace(model_runner=runner))
+    assert "sliding-window attention" in trees.tree_problem(worker)
+    model.attn.sliding_window_size = -1
+    assert "sliding-window" not in (trees.tree_problem(worker) or "")

@@ -88,8 +88,14 @@ def tree_problem(worker) -> str | None:
     backend = type(getattr(worker.target_worker.model_runner, "attn_backend", None)).__name__
     if backend != "TorchNativeAttnBackend":
         return f"the target's attention backend {backend} has no tree mask (CPU's torch_native runs ours)"
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from sglang_dflash.sglang.attention import _window
     from sglang_dflash.sglang.cpu import hooks_registered
 
+    layers = [m for m in worker.target_worker.model_runner.model.modules() if isinstance(m, RadixAttention)]
+    if any(_window(layer) >= 0 for layer in layers):
+        return "the target has sliding-window attention layers (block_attention's tree mode has no window)"
     if not hooks_registered():
         return "the TARGET_VERIFY attention hook is not registered (SGLANG_USE_CPU_ENGINE=1 registers it)"
     return None
