@@ -67,7 +67,7 @@ def test_step_time_model_tracks_noisy_times_and_drift():
     (every size's prediction follows)."""
     rng = random.Random(3)
     true = {b: 0.036 + 0.0065 * (b > 1) + 0.0025 * max(b - 2, 0) for b in range(1, 9)}
-    model = StepTimeModel(8, true[8])
+    model = StepTimeModel(8, 8, true[8])
 
     def play(sizes, slow, steps):
         for _ in range(steps):
@@ -88,6 +88,38 @@ def test_step_time_model_tracks_noisy_times_and_drift():
     check(1.0, 0.03)
     play([3], 1.3, 300)
     check(1.3, 0.05)
+
+
+# Measured on this CPU (SmolLM2-135M + the shipped drafter, bs 1): medians of steps at sizes 1-8
+# played in shuffled turns over HumanEval and GSM8K prompts, ms over a 40 ms plain step. The fifth
+# row costs ~3x each of rows 2-4: no line through the sizes fits it.
+STAIR_MS = (0.0, 2.1, 3.6, 5.8, 13.4, 16.1, 18.5, 22.3)
+
+
+def stair_sim_seconds(block_size: int, batch_size: int) -> float:
+    """The measured staircase at batch size 1; more requests cost more (rows a little less each)."""
+    rows = 0.001 * STAIR_MS[block_size - 1] * (1 + 0.6 * (batch_size - 1))
+    return 0.040 * (1 + 0.15 * (batch_size - 1)) + rows
+
+
+def test_step_time_model_learns_a_size_off_the_line():
+    """On the measured staircase with 15 % step jitter, after 400 steps at random sizes the worst
+    size's predicted time relative to a plain step is off by at most 4.5 % (mean over 10 runs; 4.0 %
+    measured), and by at most 0.75x what the line alone gets wrong (5.7 %: the model's first
+    version, which is this model with no residuals, i.e. a largest size of 2)."""
+    def worst_error(max_block_size, seed):
+        rng = random.Random(seed)
+        model = StepTimeModel(max_block_size, 8, stair_sim_seconds(8, 1))
+        for _ in range(400):
+            b = rng.randint(1, 8)
+            model.observe(b, stair_sim_seconds(b, 1) * rng.lognormvariate(0.0, 0.15))
+        true_plain = stair_sim_seconds(1, 1)
+        return max(abs(model.predict(b) / model.predict(1) / (stair_sim_seconds(b, 1) / true_plain) - 1)
+                   for b in range(2, 9))
+
+    with_residuals = sum(worst_error(8, seed) for seed in range(10)) / 10
+    line_only = sum(worst_error(2, seed) for seed in range(10)) / 10
+    assert with_residuals <= 0.045 and with_residuals <= 0.75 * line_only, (with_residuals, line_only)
 
 
 def test_acceptance_estimates_follow_the_rates():
@@ -249,16 +281,22 @@ def test_never_slower_than_the_best_fixed_block_size(phases, batch_size):
     assert sum(ratios) / len(ratios) >= 0.97, ratios
 
 
-def test_no_lock_in_when_rows_past_four_cost_more():
-    """Long blocks that pay (DEEP) on this CPU's convex row costs: the linear step-time model once
-    locked some runs onto a too-large size (one of these five made 79 % of the best fixed size's
-    rate; mean 94.5 %). A plain step among the explorations at b* >= 4 keeps the plain step's time,
-    and so the split between a step's base and its rows, known."""
+@pytest.mark.parametrize("seconds_of,batch_size,least_mean,least_run",
+                         [(convex_sim_seconds, 1, 0.97, 0.95), (stair_sim_seconds, 1, 0.97, 0.95),
+                          (stair_sim_seconds, 4, 0.95, 0.92)], ids=["convex", "stair", "stair-bs4"])
+def test_no_lock_in_when_rows_past_four_cost_more(seconds_of, batch_size, least_mean, least_run):
+    """Long blocks that pay (DEEP) where rows past four cost more: the linear step-time model once
+    locked some runs onto a too-large size (convex: one of these five made 79 % of the best fixed
+    size's rate; mean 94.5 %). A plain step among the explorations at b* >= 4 keeps the plain step's
+    time, and so the split between a step's base and its rows, known. On the measured staircase at
+    batch size 4 (B = 4 best, B = 5 12 % worse), the line alone made a mean 89.3 % (worst 86.7 %);
+    each size's residual off the line makes 95.8 % (worst 92.6 %): the persistent step-time noise
+    still leaves the model some runs 5-10 % wrong about B = 4, and its neighbours get played."""
     ratios = []
     for seed in range(7, 12):
-        adaptive = simulate(BlockSizeController(8), [DEEP], 1, seed, 800, convex_sim_seconds)
-        ratios.append(adaptive / max(simulate(b, [DEEP], 1, seed, 800, convex_sim_seconds) for b in range(1, 9)))
-    assert min(ratios) >= 0.95 and sum(ratios) / len(ratios) >= 0.97, ratios
+        adaptive = simulate(BlockSizeController(8), [DEEP], batch_size, seed, 800, seconds_of)
+        ratios.append(adaptive / max(simulate(b, [DEEP], batch_size, seed, 800, seconds_of) for b in range(1, 9)))
+    assert min(ratios) >= least_run and sum(ratios) / len(ratios) >= least_mean, ratios
 
 
 def chat_sim_seconds(block_size: int, batch_size: int) -> float:

@@ -19,12 +19,18 @@ Step time: `StepTimeModel`, one per batch size. A CPU step's time varies +-20 % 
 and drifts with the machine and the context length, so separate medians per block size (the
 controller's first version) were noisy and stale: a size not played for a while kept an old time
 and was chosen, or avoided, for it. Instead every step, whatever its size, updates one model of
-all sizes: seconds(b) = base + jump * [b > 1] + slope * max(b - 2, 0) (a plain step; the draft
-forward and the second row; each further row), tracked by a Kalman filter in which `base` drifts
-fastest, so a slower machine or a longer context moves every size's time at once, while the draft
-costs keep what the contrasts between sizes taught them. The first step at each (batch size, b)
-is not timed (one-off costs of a new shape); a new batch size starts from the nearest known
-batch size's model, rescaled to its first timed step.
+all sizes: seconds(b) = base + jump * [b > 1] + slope * max(b - 2, 0) + residual_b (a plain step;
+the draft forward and the second row; each further row; where size b's kernels leave the line),
+tracked by a Kalman filter in which `base` drifts fastest, so a slower machine or a longer context
+moves every size's time at once, while the draft costs keep what the contrasts between sizes
+taught them. The residuals (prior 0) exist because rows do not cost alike: on this CPU the fifth
+costs ~3x each of rows 2-4, so the line alone made B = 5 look 4-6 % cheaper than it was, and
+B = 4 dearer. Played side by side (HumanEval, GSM8K, MT-Bench at T = 0 and 0.7, 8 prompts each,
+twice; cells move +-4 % between runs), the model with residuals made a mean 97.1 % of the best
+fixed B (6 of 12 cells within 3 %), without them 96.4 % (4 of 12); that was at a residual
+prior sd of 0.05, the simulated tests favour 0.035 (fewer runs misled by a slow first spell).
+The first step at each (batch size, b) is not timed (one-off costs of a new shape); a new batch
+size starts from the nearest known batch size's model, rescaled to its first timed step.
 
 Exploration: the first batch size times the largest size (which tests every draft position), 2
 and 1 first, two steps each, in turns (one noisy step each once made a few slow early steps look
@@ -55,22 +61,34 @@ from __future__ import annotations
 _STEP_JITTER = 0.15
 _SCALE_DRIFT = 0.01
 _SHAPE_DRIFT = (0.002, 0.002, 0.0005)
+_RESIDUAL_DRIFT = 0.0005  # per step, of each size's own residual (kernel shapes change slowly)
 _CLOSE = 0.03  # a neighbouring size whose predicted rate is this close to the best's is played more
 _ANCHOR_TIMINGS = 2  # timed steps of each first-try size (largest, 2, 1) before the model chooses
 _OUTLIER_SIGMAS = 2.5  # a step further than this from the prediction counts as if at this distance
 _PRIOR = (1.0, 0.2, 0.05)  # base, jump, slope relative to base before any contrast
 _PRIOR_SD = (0.5, 0.3, 0.1)  # ... and how unsure of them (relative to base)
+_RESIDUAL_PRIOR_SD = 0.035  # how far a size's time may sit off the line (relative to base)
 
 
 class StepTimeModel:
-    """seconds(b) = base + jump * [b > 1] + slope * max(b - 2, 0) at one batch size, from noisy
-    step times: a Kalman filter over (base, jump, slope), innovations clipped at 2.5 sigma. Plain
-    floats, not numpy: it runs every step, and numpy's per-call cost was ~0.2 ms of it."""
+    """seconds(b) = base + jump * [b > 1] + slope * max(b - 2, 0) + residual_b at one batch size,
+    from noisy step times: a Kalman filter over (base, jump, slope, residual_3..residual_max),
+    innovations clipped at 2.5 sigma. The line is the prior shape of a step; residual_b (prior 0)
+    is where size b's own kernels' cost leaves it: on this CPU the fifth row costs ~3x each of
+    rows 2-4 (medians of steps at sizes 1-8 played in shuffled turns, HumanEval and GSM8K prompts:
+    +2.1, +1.5, +2.2, +7.6, +2.7, +2.4, +3.8 ms over a 40 ms plain step), which one slope cannot
+    say, and a size is learned from its own plays instead. Plain floats, not numpy: it runs every
+    step, and numpy's per-call cost was ~0.2 ms of it."""
 
-    def __init__(self, first_b: int, first_seconds: float, template: StepTimeModel | None = None):
+    def __init__(self, max_block_size: int, first_b: int, first_seconds: float,
+                 template: StepTimeModel | None = None):
+        self.max_block_size = max_block_size
         if template is None:
-            self.x = list(_PRIOR)
-            self.cov = [[sd * sd if i == j else 0.0 for j, _ in enumerate(_PRIOR_SD)] for i, sd in enumerate(_PRIOR_SD)]
+            prior, sds = list(_PRIOR), list(_PRIOR_SD)
+            prior += [0.0] * (max_block_size - 2 if max_block_size > 2 else 0)
+            sds += [_RESIDUAL_PRIOR_SD] * (len(prior) - len(sds))
+            self.x = prior
+            self.cov = [[sd * sd if i == j else 0.0 for j, _ in enumerate(sds)] for i, sd in enumerate(sds)]
             inflate = 1.0
         else:  # another batch size's shape, rescaled below; less sure of it
             self.x, self.cov, inflate = list(template.x), [list(row) for row in template.cov], 4.0
@@ -78,26 +96,32 @@ class StepTimeModel:
         self.x = [v * scale for v in self.x]
         self.cov = [[v * scale * scale * inflate for v in row] for row in self.cov]
 
-    @staticmethod
-    def _features(b: int) -> tuple[float, float, float]:
-        return 1.0, float(b > 1), float(max(b - 2, 0))
+    def _features(self, b: int) -> list[float]:
+        # More rows than the largest size (a tree's, in chain_or_tree) extend the slope from the
+        # largest size's own time: they keep its residual.
+        last = min(b, self.max_block_size)
+        return [1.0, float(b > 1), float(max(b - 2, 0))] + [float(last == k) for k in range(3, self.max_block_size + 1)]
 
     def predict(self, b: int) -> float:
         return sum(h * v for h, v in zip(self._features(b), self.x, strict=True))
 
     def observe(self, b: int, seconds: float) -> None:
         base = max(self.x[0], 1e-12)
+        drift = list(_SHAPE_DRIFT) + [_RESIDUAL_DRIFT] * (len(self.x) - len(_SHAPE_DRIFT))
         cov = [[v + _SCALE_DRIFT ** 2 * self.x[i] * self.x[j] + ((d * base) ** 2 if i == j else 0.0)
-                for j, v in enumerate(row)] for i, (row, d) in enumerate(zip(self.cov, _SHAPE_DRIFT, strict=True))]
+                for j, v in enumerate(row)] for i, (row, d) in enumerate(zip(self.cov, drift, strict=True))]
         h = self._features(b)
-        ch = [sum(c * hj for c, hj in zip(row, h, strict=True)) for row in cov]  # cov @ h (cov is symmetric)
+        # cov @ h over the nonzero features only (at most one residual is; cov is symmetric).
+        active = [(k, hk) for k, hk in enumerate(h) if hk]
+        ch = [sum(row[k] * hk for k, hk in active) for row in cov]
         predicted = self.predict(b)
-        var = sum(hi * c for hi, c in zip(h, ch, strict=True)) + (_STEP_JITTER * max(predicted, 1e-12)) ** 2
+        var = sum(ch[k] * hk for k, hk in active) + (_STEP_JITTER * max(predicted, 1e-12)) ** 2
         limit = _OUTLIER_SIGMAS * var ** 0.5
         innovation = min(max(seconds - predicted, -limit), limit)
         gain = [c / var for c in ch]
         self.x = [v + g * innovation for v, g in zip(self.x, gain, strict=True)]
-        self.cov = [[cov[i][j] - gain[i] * ch[j] for j in range(3)] for i in range(3)]
+        n = len(self.x)
+        self.cov = [[cov[i][j] - gain[i] * ch[j] for j in range(n)] for i in range(n)]
 
 
 class BlockSizeController:
@@ -216,7 +240,7 @@ class BlockSizeController:
         model = self._models.get(batch_size)
         if model is None:
             template = self._nearest_model(batch_size) if self._models else None
-            self._models[batch_size] = StepTimeModel(block_size, seconds, template)
+            self._models[batch_size] = StepTimeModel(self.max_block_size, block_size, seconds, template)
             if self._first_batch_size is None:
                 self._first_batch_size = batch_size
         else:
