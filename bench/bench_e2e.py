@@ -39,7 +39,7 @@ from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine import DFlashDrafter, HFTarget, SamplingParams
 from sglang_dflash.engine.compare import compare
 from sglang_dflash.engine.packaged import model_dir
-from sglang_dflash.models import load_draft
+from sglang_dflash.models import DFlashConfig, load_draft
 from sglang_dflash.train.code_prompts import complete_function_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,20 +294,27 @@ def main() -> None:
 
     target_dir, draft_dir = model_dir(args.target), resolve_draft(args.draft)
     info = run_info({"target": target_dir, "draft": draft_dir})  # before the run loads the machine
-    target = HFTarget.from_pretrained(target_dir)
-    draft = load_draft(draft_dir, dtype=getattr(torch, args.draft_dtype))
-    drafter = DFlashDrafter(draft, target)
-    block_sizes = [b for b in args.block_sizes if b <= draft.config.block_size]
-    adaptive = [b for b in args.adaptive if b <= draft.config.block_size]
+    draft_dtype = getattr(torch, args.draft_dtype)
+    max_block_size = DFlashConfig.from_file(draft_dir / "config.json").block_size
+
+    def new_target():
+        return HFTarget.from_pretrained(target_dir)
+
+    def new_drafter(target):
+        return DFlashDrafter(load_draft(draft_dir, dtype=draft_dtype), target)
+
+    block_sizes = [b for b in args.block_sizes if b <= max_block_size]
+    adaptive = [b for b in args.adaptive if b <= max_block_size]
     prompts = {d: load_prompts(d, args.samples, args.gsm8k) for d in args.datasets}
     rows = []
     cases = [(d, t) for d in args.datasets for t in args.temperatures]
     with tqdm(total=len(cases) * args.samples, desc="e2e", unit="prompt") as bar:
         for dataset, temperature in cases:
             params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
-            for comparison in compare(target, drafter, prompts[dataset], block_sizes, params, progress=bar.update,
-                                      adaptive_block_sizes=adaptive, tree_budgets=args.tree_budgets,
-                                      tree_topk=args.tree_topk, adaptive_tree_budgets=args.adaptive_tree_budgets):
+            for comparison in compare(new_target, new_drafter, prompts[dataset], block_sizes, params,
+                                      progress=bar.update, adaptive_block_sizes=adaptive,
+                                      tree_budgets=args.tree_budgets, tree_topk=args.tree_topk,
+                                      adaptive_tree_budgets=args.adaptive_tree_budgets):
                 rows.append({"dataset": dataset, **comparison.summary()})
 
     print(f"\n{args.target} + {args.draft}, bs 1, {torch.get_num_threads()} threads, "

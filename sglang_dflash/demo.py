@@ -31,29 +31,31 @@ def run_demo(target_name: str, draft_name: str, block_size: int | None, max_new_
     from sglang_dflash.drafters import resolve_draft
     from sglang_dflash.engine import DFlashDrafter, HFTarget, SamplingParams
     from sglang_dflash.engine.compare import compare, decode_rate
-    from sglang_dflash.models import load_draft
+    from sglang_dflash.models import DFlashConfig, load_draft
 
-    target = HFTarget.from_pretrained(target_name, device=device)
-    # bf16 draft: half the bytes per draft step; drafts never change the output.
-    drafter = DFlashDrafter(load_draft(resolve_draft(draft_name), dtype=torch.bfloat16, device=device), target)
-    block_size = block_size or min(DEMO_BLOCK_SIZE, drafter.max_block_size)
+    draft_dir = resolve_draft(draft_name)
+
+    def new_target():
+        return HFTarget.from_pretrained(target_name, device=device)
+
+    def new_drafter(target):  # bf16 draft: half the bytes per draft step; drafts never change the output
+        return DFlashDrafter(load_draft(draft_dir, dtype=torch.bfloat16, device=device), target)
+
+    block_size = block_size or min(DEMO_BLOCK_SIZE, DFlashConfig.from_file(draft_dir / "config.json").block_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     print(f"DFlash demo: target {target_name}, drafter {draft_name}, block size {block_size}, greedy, "
           f"{max_new_tokens} new tokens, batch size 1\n")
-    spec, plain = [], []
-    identical = True
-    for i, prompt in enumerate(DEMO_PROMPTS, 1):
-        (result,) = compare(target, drafter, [prompt], [block_size], params)
-        s = result.summary()
-        out = result.spec[0]
-        spec += result.spec
-        plain += result.plain
-        identical &= bool(s["identical_to_plain"])
+    (result,) = compare(new_target, new_drafter, DEMO_PROMPTS, [block_size], params)
+    spec, plain = result.spec, result.plain
+    identical = bool(result.summary()["identical_to_plain"])
+    for i, (prompt, out, base) in enumerate(zip(DEMO_PROMPTS, spec, plain, strict=True), 1):
+        same = out.output_ids == base.output_ids
+        spec_rate, plain_rate = decode_rate([out]), decode_rate([base])
         print(f"--- prompt {i}: {textwrap.shorten(prompt, 100)}")
         print(textwrap.indent(out.text.strip(), "    "))
-        print(f"    tau {s['tau_token_weighted']:.2f} tokens per target pass | {s['spec_tok_s']:.1f} tok/s with "
-              f"DFlash vs {s['plain_tok_s']:.1f} plain | speedup {s['speedup']:.2f}x | "
-              f"same text as plain decoding: {s['identical_to_plain']}\n")
+        print(f"    tau {out.stats.tau:.2f} tokens per target pass | {spec_rate:.1f} tok/s with "
+              f"DFlash vs {plain_rate:.1f} plain | speedup {spec_rate / plain_rate:.2f}x | "
+              f"same text as plain decoding: {same}\n")
     print(f"overall decode speedup {decode_rate(spec) / decode_rate(plain):.2f}x; "
           f"output identical to plain greedy decoding: {identical}")
     return 0 if identical else 1

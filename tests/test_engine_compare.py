@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import pytest
 from sglang_dflash.drafters import SHIPPED_DRAFTER, SHIPPED_DRAFTERS, resolve_draft
 from sglang_dflash.engine import DFlashDrafter, SamplingParams
 from sglang_dflash.engine.compare import compare
+from sglang_dflash.engine.drafters import NoDrafter
+from sglang_dflash.engine.generator import Generator
 from sglang_dflash.models import load_draft
 from tests.dflash_testlib import random_draft, tiny_target
 
@@ -25,12 +28,18 @@ def plain_tau(c):
     return sum(len(r.output_ids) - 1 for r in c.plain) / sum(r.stats.steps for r in c.plain)
 
 
+def new_target():
+    return tiny_target(seed=2)
+
+
+def new_drafter(target):
+    return DFlashDrafter(random_draft(target, block_size=8), target)
+
+
 def test_comparison_summary_is_consistent_with_the_runs():
-    target = tiny_target(seed=2)
-    drafter = DFlashDrafter(random_draft(target, block_size=8), target)
     prompts = [[3, 9, 14, 22], [5, 6, 40, 41, 42, 43, 10]]
     params = SamplingParams(max_new_tokens=20)
-    comparisons = compare(target, drafter, prompts, [4, 8], params, chat=False, adaptive_block_sizes=[8],
+    comparisons = compare(new_target, new_drafter, prompts, [4, 8], params, chat=False, adaptive_block_sizes=[8],
                           tree_budgets=[5], tree_topk=3, adaptive_tree_budgets=[6])
     assert [(c.block_size, c.adaptive, c.tree_budget) for c in comparisons] == [
         (4, False, 0), (8, False, 0), (8, True, 0), (8, False, 5), (8, True, 6)]
@@ -56,9 +65,30 @@ def test_comparison_summary_is_consistent_with_the_runs():
             tokens, seconds = zip(*s["per_prompt"][name], strict=True)
             assert len(tokens) == len(prompts) and sum(tokens) / sum(seconds) == pytest.approx(rate)
     assert comparisons[0].plain is comparisons[2].plain, "plain decoding runs once for all block sizes"
-    sampled = compare(target, drafter, prompts[:1], [4], SamplingParams(temperature=1.0, max_new_tokens=8),
+    sampled = compare(new_target, new_drafter, prompts[:1], [4], SamplingParams(temperature=1.0, max_new_tokens=8),
                       chat=False)[0]
     assert sampled.summary()["identical_to_plain"] is True  # same seed: the same samples
+
+
+def test_lockstep_runs_equal_runs_alone_and_count_only_their_own_time():
+    """Runs stepped in turns (as compare does) produce what each produces alone, and each run's
+    times leave out the others' turns (here a sleep between a run's steps)."""
+    prompts = [[3, 9, 14, 22], [5, 6, 40, 41, 42, 43, 10]]
+    params = SamplingParams(temperature=0.8, max_new_tokens=16, seed=3)
+    target = new_target()
+    generators = [Generator(new_target(), NoDrafter(), 1), Generator(target, new_drafter(target), 4, adaptive=True)]
+    alone = [g.generate(prompts, params, chat=False) for g in generators]
+    runs = [g.start(prompts, params, chat=False) for g in generators]
+    pause = 0.05
+    steps = 0
+    while any([run.step() for run in runs]):
+        time.sleep(pause)
+        steps += 1
+    for run, ref in zip(runs, alone, strict=True):
+        assert [r.output_ids for r in run.results] == [r.output_ids for r in ref]
+        assert run.done and not run.step()
+        for r in run.results:
+            assert 0 < r.stats.prefill_s < r.stats.wall_s < pause * steps / 2, (r.stats.wall_s, steps)
 
 
 def test_shipped_drafter_loads_by_name():

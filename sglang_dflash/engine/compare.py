@@ -2,17 +2,25 @@
 numbers the demo prints and the end-to-end benchmark records.
 
 Each prompt runs alone (batch size 1): plain decoding once and speculative decoding at every
-block size (fixed, adaptive up to a maximum, and trees of given budgets), one after the other, so
-all see the same machine state; which of them goes first rotates from prompt to prompt. Speed is
-decode tokens per second (prefill excluded: it is the same work in both).
+block size (fixed, adaptive up to a maximum, and trees of given budgets), all in lock-step: each
+configuration has its own target and drafter, and they take one step each in turns (which goes
+first rotates from prompt to prompt), every run timed by its own steps only. So a slow spell of
+the machine falls on all of them alike. Run one after the other instead (configurations rotating
+per prompt), the same code's fixed block sizes moved by up to 0.20x between runs, and one 4-prompt
+GSM8K sweep timed B = 2 steps at 64 ms against 42 ms at B = 5 (this 2-core VM's speed drifts for
+seconds to minutes); in lock-step the same sweep timed 37.7 and 42.3 ms, step time rising with B
+on every dataset.
+Speed is decode tokens per second (prefill excluded: it is the same work in both).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.generator import GenerationResult, Generator, SamplingParams
+from sglang_dflash.engine.target import HFTarget
 
 
 def decode_seconds(results: list[GenerationResult]) -> float:
@@ -64,31 +72,41 @@ class Comparison:
             identical_to_plain=all(a.output_ids == b.output_ids for a, b in zip(self.spec, self.plain, strict=True)))
 
 
-def compare(target, drafter, prompts: list, block_sizes: list[int], params: SamplingParams,
-            chat: bool = True, progress=None, adaptive_block_sizes: list[int] = (),
-            tree_budgets: list[int] = (), tree_topk: int = 4,
+def compare(new_target: Callable[[], HFTarget], new_drafter: Callable[[HFTarget], object], prompts: list,
+            block_sizes: list[int], params: SamplingParams, chat: bool = True, progress=None,
+            adaptive_block_sizes: list[int] = (), tree_budgets: list[int] = (), tree_topk: int = 4,
             adaptive_tree_budgets: list[int] = ()) -> list[Comparison]:
     """Plain and speculative decoding of every prompt; one Comparison per fixed block size, then
     one per adaptive maximum (each adaptive generator carries what it learns from prompt to
     prompt, as a server would), then one per tree budget (trees of `tree_topk` choices a position,
     as deep as the drafter's block allows), then one per adaptive tree budget (each step a chain of
     up to the drafter's block or a tree of up to that many nodes: ChainOrTreeController).
+    `new_target()` makes a target and `new_drafter(target)` a drafter for it, one of each per
+    configuration (each run keeps its requests' state in them); all must compute alike.
     `progress` (optional) is called once per prompt."""
-    plain_gen = Generator(target, NoDrafter(), 1)
+    plain_gen = Generator(new_target(), NoDrafter(), 1)
     configs = ([(b, False, 0) for b in block_sizes] + [(b, True, 0) for b in adaptive_block_sizes]
-               + [(drafter.max_block_size, False, n) for n in tree_budgets]
-               + [(drafter.max_block_size, True, n) for n in adaptive_tree_budgets])
-    generators = [Generator(target, drafter, b, adaptive=a, tree_budget=n, tree_topk=tree_topk)
-                  for b, a, n in configs]
+               + [(None, False, n) for n in tree_budgets] + [(None, True, n) for n in adaptive_tree_budgets])
+    generators = []
+    for b, adaptive, n in configs:
+        target = new_target()
+        drafter = new_drafter(target)
+        generators.append(Generator(target, drafter, b or drafter.max_block_size, adaptive=adaptive,
+                                    tree_budget=n, tree_topk=tree_topk))
     plain: list[GenerationResult] = []
     spec: list[list[GenerationResult]] = [[] for _ in configs]
     runs = [(plain, plain_gen)] + list(zip(spec, generators, strict=True))
     for i, prompt in enumerate(prompts):
-        # Each prompt starts with the next run in turn: on this CPU the same configuration run 4
-        # times in a row measured 1.68x, 1.60x, 1.65x, 1.56x, so a fixed order favours the first.
-        for results, generator in runs[i % len(runs):] + runs[:i % len(runs)]:
-            results += generator.generate([prompt], params, chat=chat)
+        # Each prompt starts with the next run in turn, so no configuration always steps first.
+        order = runs[i % len(runs):] + runs[:i % len(runs)]
+        started = [(results, generator.start([prompt], params, chat=chat)) for results, generator in order]
+        pending = [run for _, run in started]
+        while pending:
+            pending = [run for run in pending if run.step()]
+        for results, run in started:
+            results += run.results
         if progress:
             progress()
-    return [Comparison(b, params, results, plain, adaptive=a, tree_budget=n, tree_topk=tree_topk if n else 0)
-            for (b, a, n), results in zip(configs, spec, strict=True)]
+    return [Comparison(g.block_size, params, results, plain, adaptive=a, tree_budget=n,
+                       tree_topk=tree_topk if n else 0)
+            for g, (_, a, n), results in zip(generators, configs, spec, strict=True)]

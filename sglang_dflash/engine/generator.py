@@ -16,10 +16,12 @@ commit the most tokens per second (`ChainOrTreeController`, chain_or_tree.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -125,6 +127,43 @@ def request_keys(prompts: list[list[int]], seed: int, seeds: list[int] | None = 
     return keys
 
 
+class RunClock:
+    """Seconds a run has been running, not counting the time it spent paused (while other runs
+    took their turns)."""
+
+    def __init__(self):
+        self._spent, self._since = 0.0, time.perf_counter()
+
+    def seconds(self) -> float:
+        return self._spent + time.perf_counter() - self._since
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._spent = self.seconds()
+        try:
+            yield
+        finally:
+            self._since = time.perf_counter()
+
+
+class GenerationRun:
+    """A `Generator.start` call: `step()` runs the prefill on its first call, then one verify step
+    per call, and returns False once every request has finished. Times in `results` count only this
+    run's own steps, so runs stepped in turns are each timed as if alone."""
+
+    def __init__(self, steps: Iterator[None], results: list[GenerationResult], tokenizer):
+        self._steps, self.results, self._tokenizer = steps, results, tokenizer
+        self.done = False
+
+    def step(self) -> bool:
+        if not self.done and next(self._steps, StopIteration) is StopIteration:
+            self.done = True
+            if self._tokenizer is not None:
+                for r in self.results:
+                    r.text = self._tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return not self.done
+
+
 class Generator:
     """`block_size`: the block of every step, or with `adaptive` the largest one a step may use.
     An adaptive generator keeps what it learned about step times and acceptance across calls.
@@ -153,6 +192,16 @@ class Generator:
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams = SamplingParams(),
                  chat: bool = True, seeds: list[int] | None = None) -> list[GenerationResult]:
         """`seeds` (optional): one seed per request instead of `params.seed` (see request_keys)."""
+        run = self.start(prompts, params, chat, seeds)
+        while run.step():
+            pass
+        return run.results
+
+    def start(self, prompts: list[str] | list[list[int]], params: SamplingParams = SamplingParams(),
+              chat: bool = True, seeds: list[int] | None = None) -> GenerationRun:
+        """`generate`, one step at a time: the returned run does nothing until stepped (the prefill
+        is its first step, then one verify step per call). Several runs on separate targets can
+        so advance in turns, which `compare` does to time them side by side."""
         tok = self.target.tokenizer
         if not prompts:
             raise ValueError("prompts is empty")
@@ -165,20 +214,19 @@ class Generator:
                 raise ValueError(f"prompt {i} is empty")
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside the target vocabulary [0, {vocab})")
-        results = self._run(ids, params, request_keys(ids, params.seed, seeds))
-        if tok is not None:
-            for r in results:
-                r.text = tok.decode(r.output_ids, skip_special_tokens=True)
-        return results
+        B = self.block_size
+        results = [GenerationResult(p, [], [], RequestStats(B, accept_hist=[0] * B)) for p in ids]
+        return GenerationRun(self._steps(ids, params, request_keys(ids, params.seed, seeds), results), results, tok)
 
-    @torch.no_grad()
-    def _run(self, prompts: list[list[int]], params: SamplingParams, keys: list[int]) -> list[GenerationResult]:
+    @torch.no_grad()  # entered around every step of the generator
+    def _steps(self, prompts: list[list[int]], params: SamplingParams, keys: list[int],
+               results: list[GenerationResult]) -> Iterator[None]:
+        """Fills `results`, yielding after the prefill and after every verify step."""
         target, drafter, B = self.target, self.drafter, self.block_size
         target.set_taps(drafter.layer_ids)
         dev = target.device
         n = len(prompts)
         stop = set(target.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
-        results = [GenerationResult(p, [], [], RequestStats(B, accept_hist=[0] * B)) for p in prompts]
         # Verify row i draws the noise keyed (seed, offset + i). offset = the request's key << 32 | the
         # output position row 0 fills: every sample is keyed by its request and position, so the
         # tokens depend neither on the block sizes nor on the batch (seeded speculative output =
@@ -195,7 +243,7 @@ class Generator:
         def sample(candidates, logits, reqs, offsets):
             return verify_block(candidates, logits, *sampling_args(len(reqs)), offsets)
 
-        t_start = time.perf_counter()
+        clock = RunClock()
         last_logits, taps = target.prefill(prompts)
         last = torch.tensor([p[-1] for p in prompts], device=dev)[:, None]
         _, first, _ = sample(last, last_logits, list(range(n)), next_offsets(range(n)))
@@ -203,15 +251,17 @@ class Generator:
         active = []
         for r, tok in enumerate(first.tolist()):
             results[r].output_ids.append(tok)
-            results[r].stats.prefill_s = time.perf_counter() - t_start
+            results[r].stats.prefill_s = clock.seconds()
             if tok in stop or params.max_new_tokens == 1:
-                self._finish(r, results[r], t_start)
+                self._finish(r, results[r], clock)
             else:
                 active.append(r)
         if active and len(active) < n:
             target.select(torch.tensor(active, device=dev))
         # Tokens the target has processed per request; the next block's anchor sits there.
         starts = {r: len(prompts[r]) for r in active}
+        with clock.paused():
+            yield
 
         while active:
             anchors = torch.tensor([results[r].output_ids[-1] for r in active], device=dev)
@@ -284,9 +334,10 @@ class Generator:
                 results[r].stats.verify_s += t2 - t1
                 results[r].stats.verified_tokens += rows_verified
                 if r not in running:
-                    self._finish(r, results[r], t_start)
+                    self._finish(r, results[r], clock)
             active = still
-        return results
+            with clock.paused():
+                yield
 
     @staticmethod
     def _commit(res: GenerationResult, tokens: list[int], max_new_tokens: int, stop: set[int]) -> bool:
@@ -302,7 +353,7 @@ class Generator:
         res.stats.steps += 1
         return tokens[-1] not in stop and len(res.output_ids) < max_new_tokens
 
-    def _finish(self, r: int, res: GenerationResult, t_start: float) -> None:
+    def _finish(self, r: int, res: GenerationResult, clock: RunClock) -> None:
         res.stats.tokens = len(res.output_ids)
-        res.stats.wall_s = time.perf_counter() - t_start
+        res.stats.wall_s = clock.seconds()
         self.drafter.finish(r)
