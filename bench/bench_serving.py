@@ -1,8 +1,14 @@
 """Serving benchmark: `python -m sglang.launch_server` with DFLASH against the same server without
 speculation, side by side on this machine, through the HTTP API a user calls.
 
-Each server configuration is started in turn on 127.0.0.1 (never two at once: they would share
-the cores), warmed up with one request, sent the same requests, and stopped:
+All server configurations run side by side on 127.0.0.1, each started (one after the other) with
+--sleep-on-idle, so a server waiting for its turn sleeps (~1.5 % of a core; without the flag an
+idle SGLang scheduler spins a whole core) and warmed up with one request. Then every level's
+requests go in rounds: each server in turn (which one first rotates per round) gets the round's c
+requests at once and finishes them before the next server's turn, so a slow spell of this 2-core
+VM falls on all servers alike. (Run one server after another, its speed drifted by up to 1.7x
+between servers measured minutes apart: one run's stock plain server made 14.5 tok/s at 1 client
+against 24.8 in another.) The configurations:
 
   plain          no speculation, plugin disabled (SGLANG_DFLASH_DISABLE=1): stock SGLang
   plain-plugin   no speculation, plugin active (its CPU hooks can change plain decoding too)
@@ -14,8 +20,9 @@ the cores), warmed up with one request, sent the same requests, and stopped:
 
 The requests are the first --samples prompts of HumanEval, GSM8K test and MT-Bench in the
 target's chat template, streamed from /generate at every temperature and at every concurrency
-level (each prompt once per level, at most c in flight; the radix cache is flushed before each
-level). Per server, temperature and concurrency it records output tok/s, p50/p99 time per output
+level c (each prompt once per level and server, in rounds of c concurrent requests; the radix
+cache is flushed before each level). A server's output tok/s at a level is its tokens over the
+summed wall time of its rounds. Per server, temperature and concurrency it records output tok/s, p50/p99 time per output
 token, mean time to first token and DFLASH's acceptance; per non-plain server, the tok/s ratio to
 `plain` (and to `plain-plugin`) and which greedy outputs differ from plain's, with the fp32
 target's logit margin at the first differing token. Writes bench/results/serving_<target>.json
@@ -51,7 +58,8 @@ from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_arg
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = "smollm2-135m"
 DATASETS = ["humaneval", "gsm8k", "mtbench"]
-COMMON_ARGS = ["--max-total-tokens", "8192", "--random-seed", "0", "--max-running-requests", "16"]
+# --sleep-on-idle: the servers share the machine, and an idle SGLang scheduler otherwise spins a core.
+COMMON_ARGS = ["--max-total-tokens", "8192", "--random-seed", "0", "--max-running-requests", "16", "--sleep-on-idle"]
 # SGLang reads a request's sampling_seed only under this server flag; without it sampled outputs
 # are not reproducible, so they are compared with plain's only when it is given.
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"
@@ -329,51 +337,94 @@ def start(run: Run, server: LocalServer) -> bool:
     return True
 
 
-def run_server(run: Run, config: ServerConfig) -> list[dict]:
-    """Start one server, warm it up, run every temperature x concurrency level, stop it."""
+def start_server(run: Run, config: ServerConfig) -> LocalServer | None:
+    """Start one server and warm it up; None if the time limit ran out first. The caller stops it."""
     extra = [*config.extra, *COMMON_ARGS, *shlex.split(run.args.server_args)]
     argv = launch_args(run.target, free_port(), draft=config.draft, extra=extra)
     server = LocalServer(config.name, argv, server_env(run.log_dir, **config.env), run.log_dir / f"{config.name}.log")
-    levels = []
     try:
         if not start(run, server):
-            return []
+            server.stop()
+            return None
+        # One untimed request: the first forward passes allocate and warm caches.
+        server.stream_generate(request_body(run.prompts[0], 0.0, run.args.max_new_tokens), run.args.request_timeout)
+    except (RuntimeError, OSError) as e:
         try:
-            # One untimed request: the first forward passes allocate and warm caches.
-            server.stream_generate(request_body(run.prompts[0], 0.0, run.args.max_new_tokens), run.args.request_timeout)
-            total = len(run.args.temperatures) * len(run.args.concurrency) * len(run.prompts)
-            with tqdm(total=total, desc=config.name, unit="req") as bar:
-                for temperature in run.args.temperatures:
-                    for concurrency in run.args.concurrency:
-                        levels.append(run_one_level(run, server, temperature, concurrency, bar))
-        except (RuntimeError, OSError) as e:
             fail(server, f"{type(e).__name__}: {e}")
-        run.launches[config.name] = {"args": argv[1:], "env": config.env,
-                                     "threads": log_line(server.text(), "init_threads_binding")}
-    finally:
+        finally:
+            server.stop()
+    except BaseException:
         server.stop()
-    return levels
+        raise
+    run.launches[config.name] = {"args": argv[1:], "env": config.env,
+                                 "threads": log_line(server.text(), "init_threads_binding")}
+    return server
 
 
-def run_one_level(run: Run, server: LocalServer, temperature: float, concurrency: int, bar) -> dict:
+def rounds(items: list, concurrency: int, servers: list) -> list[tuple[list, list]]:
+    """The rounds of one level: (the round's items, the servers in the order they take it), `concurrency`
+    items a round, the first server rotating from round to round."""
+    n = len(servers)
+    chunks = [items[i:i + concurrency] for i in range(0, len(items), concurrency)]
+    return [(chunk, servers[i % n:] + servers[:i % n]) for i, chunk in enumerate(chunks)]
+
+
+def run_one_level(run: Run, servers: list[LocalServer], temperature: float, concurrency: int, bar) -> list[dict]:
+    """One temperature x concurrency level on every server, in rounds; one level record per server."""
     # Every level starts from an empty prefix cache, or later levels would skip the prefills. With a
     # timeout SGLang defers the flush until the scheduler is idle: it may still be retiring the last
     # level's requests after their streams have ended, and refuses an immediate flush then.
-    server.post(f"/flush_cache?timeout={FLUSH_TIMEOUT}", {})
+    for server in servers:
+        server.post(f"/flush_cache?timeout={FLUSH_TIMEOUT}", {})
+    results = {server.name: [] for server in servers}
+    walls = dict.fromkeys(results, 0.0)
+    for chunk, order in rounds(run.prompts, concurrency, servers):
+        for server in order:
+            def send(prompt: Prompt, server=server) -> dict:
+                body = request_body(prompt, temperature, run.args.max_new_tokens)
+                return outcome(prompt.id, *server.stream_generate(body, run.args.request_timeout))
 
-    def send(prompt: Prompt) -> dict:
-        body = request_body(prompt, temperature, run.args.max_new_tokens)
-        return outcome(prompt.id, *server.stream_generate(body, run.args.request_timeout))
+            done, wall = run_level(send, chunk, concurrency, run.deadline, bar.update)
+            if server.proc.poll() is not None:
+                fail(server, f"exited ({server.proc.returncode}) during T={temperature} c={concurrency}")
+            results[server.name] += done
+            walls[server.name] += wall
+    levels = []
+    for server in servers:
+        done = results[server.name]
+        level = {"server": server.name, "temperature": temperature, "concurrency": concurrency,
+                 **level_metrics(done, walls[server.name]), "outcomes": done}
+        if level["cut"]:
+            run.cut.append(f"{server.name} T={temperature} c={concurrency}: {level['cut']} of {len(done)} "
+                           "requests not sent (time limit)")
+        levels.append(level)
+    return levels
 
-    results, wall = run_level(send, run.prompts, concurrency, run.deadline, bar.update)
-    if server.proc.poll() is not None:
-        fail(server, f"exited ({server.proc.returncode}) during T={temperature} c={concurrency}")
-    level = {"server": server.name, "temperature": temperature, "concurrency": concurrency,
-             **level_metrics(results, wall), "outcomes": results}
-    if level["cut"]:
-        run.cut.append(f"{server.name} T={temperature} c={concurrency}: {level['cut']} of {len(results)} "
-                       "requests not sent (time limit)")
-    return level
+
+def run_servers(run: Run, configs: list[ServerConfig]) -> list[dict]:
+    """Start every server, run every temperature x concurrency level on all of them, stop them."""
+    servers = []
+    try:
+        for config in tqdm(configs, desc="starting servers", unit="server"):
+            if time.time() > run.deadline:
+                run.cut.append(f"server {config.name}: not started (time limit)")
+                continue
+            server = start_server(run, config)
+            if server is not None:
+                servers.append(server)
+        levels = []
+        total = len(run.args.temperatures) * len(run.args.concurrency) * len(run.prompts) * len(servers)
+        with tqdm(total=total, desc="requests", unit="req") as bar:
+            for temperature in run.args.temperatures:
+                for concurrency in run.args.concurrency:
+                    try:
+                        levels += run_one_level(run, servers, temperature, concurrency, bar)
+                    except (RuntimeError, OSError) as e:
+                        raise ServerFailed(f"T={temperature} c={concurrency}: {type(e).__name__}: {e}") from None
+        return levels
+    finally:
+        for server in servers:
+            server.stop()
 
 
 # -- output -------------------------------------------------------------------------------
@@ -427,7 +478,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", type=Path, help=f"HF model directory (default: the packaged {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=SHIPPED_DRAFTER, help="DFlash checkpoint directory or shipped drafter name")
     parser.add_argument("--servers", nargs="+", default=["plain", "dflash"],
-                        help="plain, plain-plugin, dflash, dflash-bN, dflash-fixed[-bN]; run in this order")
+                        help="plain, plain-plugin, dflash, dflash-bN, dflash-fixed[-bN][-treeN]; all run side by side")
     parser.add_argument("--server-args", default="", help='extra server arguments, e.g. "--dtype float32"')
     parser.add_argument("--datasets", nargs="+", default=DATASETS)
     parser.add_argument("--samples", type=int, default=2, help="prompts per dataset")
@@ -459,16 +510,11 @@ def main() -> None:
     print(f"{len(prompts)} prompts; load average {info['load_average'][0]:.2f} on {info['threads']['cpu_count']} "
           f"cores (other work on the machine skews every number); server logs in {run.log_dir}")
 
-    levels = []
-    for config in configs:
-        if time.time() > deadline:
-            run.cut.append(f"server {config.name}: not started (time limit)")
-            continue
-        try:
-            levels += run_server(run, config)
-        except ServerFailed as e:
-            print(e, file=sys.stderr)
-            raise SystemExit(1) from None
+    try:
+        levels = run_servers(run, configs)
+    except ServerFailed as e:
+        print(e, file=sys.stderr)
+        raise SystemExit(1) from None
 
     add_speedups(levels)
     found = comparisons(levels, sampled_too=deterministic)

@@ -170,3 +170,11 @@ def test_run_level_bounds_concurrency_and_stops_at_the_deadline():
     assert results[0] == {"item": 0} and results[3] == {"error": "ValueError: bad"}
     results, _ = bs.run_level(send, list(range(4)), concurrency=2, deadline=time.time() - 1)
     assert results == [None] * 4
+
+
+def test_rounds_give_every_server_each_chunk_and_rotate_who_goes_first():
+    servers = ["plain", "dflash", "tree"]
+    got = bs.rounds(list(range(7)), 3, servers)
+    assert [chunk for chunk, _ in got] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [order for _, order in got] == [servers, ["dflash", "tree", "plain"], ["tree", "plain", "dflash"]]
+    assert bs.rounds([], 2, servers) == []
