@@ -160,7 +160,8 @@ class AdaptiveBlockSize:
         self.states = BlockSizeStates(worker)
         skip_draft_forward_at_block_size_one(worker)
         self.log_every_s = log_every_s
-        self._chosen: collections.Counter = collections.Counter()  # (batch size, block size) -> steps
+        # (batch size, block size, tree nodes) -> [steps, seconds] since the last log line
+        self._chosen: dict[tuple[int, int, int], list] = collections.defaultdict(lambda: [0, 0.0])
         self._last_log = -math.inf
 
     def run_step(self, reqs: list, step, trees=None):
@@ -184,10 +185,10 @@ class AdaptiveBlockSize:
             self.controller.observe(block_size, budget, accepted, seconds)
         else:
             self.controller.chains.observe(block_size, accepted, seconds)
-        self._report(reqs, commits, rows)
+        self._report(reqs, commits, rows, budget, seconds)
         return result
 
-    def _report(self, reqs: list, commits: list[int], block_size: int) -> None:
+    def _report(self, reqs: list, commits: list[int], block_size: int, tree_nodes: int, seconds: float) -> None:
         for req, n in zip(reqs, commits, strict=True):
             # One entry per output token, as SGLang slices customized_info by token (streaming too):
             # 0 for tokens that came from the prefill, else the block size of the step that
@@ -195,11 +196,15 @@ class AdaptiveBlockSize:
             info = req.customized_info if req.customized_info is not None else {}
             info.setdefault(META_INFO_KEY, [0] * len(req.output_ids)).extend([block_size] * n)
             req.customized_info = info
-        self._chosen[len(reqs), block_size] += 1
+        played = self._chosen[len(reqs), block_size, tree_nodes]
+        played[0] += 1
+        played[1] += seconds
         now = time.monotonic()
         if now - self._last_log >= self.log_every_s:
             self._last_log = now
-            chosen = ", ".join(f"batch {bs}: B={b} x{n}" for (bs, b), n in sorted(self._chosen.items()))
+            # The mean time of each choice's steps: what the controller weighs, as the server saw it.
+            chosen = ", ".join(f"batch {bs}: {f'tree of {t}' if t else f'B={b}'} x{n} {1e3 * sec / n:.1f} ms"
+                               for (bs, b, t), (n, sec) in sorted(self._chosen.items()))
             chains = self.controller.chains
             expected = " ".join(f"{e:.2f}" for e in chains.expected_tokens())
             logger.info("sglang-dflash: adaptive block size, steps since the last report: %s (expected tokens "
