@@ -27,8 +27,8 @@ CAUGHT = {4: 0.5, 8: 0.6, 16: 0.7}
 
 def cpu_seconds(rows: int, tree: bool) -> float:
     """This CPU, SmolLM2-135M + the shipped drafter: a plain step 36 ms, the draft forward and the
-    second row +6.5 ms, rows 3-4 +2.1 ms each, each further row +2.9 ms; a tree step drafts the whole
-    block and builds the tree (+2 ms)."""
+    second row +6.5 ms, rows 3-4 +2.1 ms each, each further row +2.9 ms; a tree step takes the top-k,
+    builds the tree and verifies under its mask (+2 ms)."""
     return (0.036 + 0.0065 * (rows > 1) + 0.0021 * min(max(rows - 2, 0), 2) + 0.0029 * max(rows - 4, 0)
             + 0.002 * tree)
 

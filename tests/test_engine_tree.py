@@ -187,6 +187,24 @@ def test_a_tree_accepts_more_than_the_chain_of_its_drafter(tiny):
     assert steps[1] < steps[0], steps
 
 
+@pytest.mark.parametrize("budget,depth", [(1, 1), (3, 3), (7, 7), (10, 7)])
+def test_a_tree_drafts_no_deeper_than_it_can_grow(tiny, budget, depth):
+    """A tree of n nodes is at most n deep: it drafts a block of min(n + 1, B) (as the served worker
+    does), not the whole block, so a small tree's draft costs what the chain of its rows' does."""
+    target, _ = tiny
+    asked = []
+
+    class Recording(DFlashDrafter):
+        def propose_candidates(self, reqs, anchors, starts, depth, topk, sampling=None):
+            asked.append(depth)
+            return super().propose_candidates(reqs, anchors, starts, depth, topk, sampling)
+
+    params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(STOP_TOKEN,))
+    Generator(target, Recording(random_draft(target), target), 8, tree_budget=budget, tree_topk=2).generate(
+        PROMPTS, params)
+    assert asked and set(asked) == {depth}
+
+
 def test_tree_options_are_checked():
     target = tiny_target()
     drafter = DFlashDrafter(random_draft(target), target)

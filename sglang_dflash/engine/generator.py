@@ -8,8 +8,10 @@ verify (`DraftSampling`), so it can draft with the noise the target will sample 
 finish independently (stop token or max_new_tokens). With `adaptive=True`, B is a maximum and each
 step's block size is chosen by a `BlockSizeController` (block_size.py). With a `tree_budget`, each
 step verifies a tree of drafts instead of a chain (tree.py): the drafter's `tree_topk` best tokens
-at each of the B - 1 positions, grown best first to `tree_budget` nodes, all checked in one target
-pass by `verify_tree`, which commits the longest path the target agrees with. With both, each step
+at each of the first min(B - 1, tree_budget) positions (a tree of n nodes is at most n deep, so it
+drafts a block of at most n + 1, as the served worker does), grown best first to `tree_budget`
+nodes, all checked in one target pass by `verify_tree`, which commits the longest path the target
+agrees with. With both, each step
 is a chain of the chosen size or a tree of budget tree_budget, / 2 or / 4, whichever is expected to
 commit the most tokens per second (`ChainOrTreeController`, chain_or_tree.py).
 """
@@ -283,7 +285,8 @@ class Generator:
                 deferred_s = time.perf_counter() - t_append
             sampling = DraftSampling(params.temperature, params.seed, offsets) if params.temperature > 0 else None
             if tree_budget:
-                choices = drafter.propose_candidates(active, anchors, start_t, B - 1, self.tree_topk, sampling)
+                depth = min(B - 1, tree_budget)  # deeper positions cannot hold a node of the tree
+                choices = drafter.propose_candidates(active, anchors, start_t, depth, self.tree_topk, sampling)
                 trees = build_trees(anchors, *choices, [tree_budget] * len(active))
                 t1 = time.perf_counter()
                 logits, step_taps = target.verify_tree(trees.tokens, start_t[:, None] + trees.depths, trees.ancestors())
