@@ -13,8 +13,8 @@ step, and a 16-node tree runs slower than the best chain. So the controller esti
   the chain's acceptance follows the text, so every budget follows it between its own plays.
   seconds(n) = the chains' modelled time at n + 1 rows (at most the largest chain: the model is not
   extrapolated past the sizes the chains play) times the budget's measured ratio to it (a tree
-  of n drafts a block of min(n + 1, B), takes the top-k and verifies under a 4-D mask). A budget not played yet
-  takes the gain and the ratio of the nearest smaller one that was.
+  of n drafts a block of min(n + 1, B), takes the top-k and verifies under a 4-D mask). A budget
+  not played yet takes the gain and the ratio of the nearest smaller one that was.
 
 It plays the chains' choice while no tree is predicted faster, the best budget while one is.
 First tries: the chains' own, then every budget `_TREE_TRIES` times, smallest first, a larger one

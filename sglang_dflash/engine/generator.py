@@ -11,9 +11,9 @@ step verifies a tree of drafts instead of a chain (tree.py): the drafter's `tree
 at each of the first min(B - 1, tree_budget) positions (a tree of n nodes is at most n deep, so it
 drafts a block of at most n + 1, as the served worker does), grown best first to `tree_budget`
 nodes, all checked in one target pass by `verify_tree`, which commits the longest path the target
-agrees with. With both, each step
-is a chain of the chosen size or a tree of budget tree_budget, / 2 or / 4, whichever is expected to
-commit the most tokens per second (`ChainOrTreeController`, chain_or_tree.py).
+agrees with. With both, each step is a chain of the chosen size or a tree of budget tree_budget,
+/ 2 or / 4, whichever is expected to commit the most tokens per second (`ChainOrTreeController`,
+chain_or_tree.py).
 """
 
 from __future__ import annotations
