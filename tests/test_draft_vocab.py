@@ -75,5 +75,8 @@ def test_frequent_tokens_counts_only_trained_on_positions():
                 Example(torch.tensor([2, 9, 9]), torch.tensor([1, 1, 1], dtype=torch.bool))]
     # counted: 5 once, 7 twice, 2 twice, 9 twice -> 2, 7, 9 (ties by id), 5, then unseen ids 0, 1, 3
     assert frequent_tokens(examples, 7, 12).tolist() == [2, 7, 9, 5, 0, 1, 3]
+    # fine-tuning a drafter with vocabulary {3, 7, 11}: its unused ids 3 and 11 come before 0, 1
+    assert frequent_tokens(examples, 7, 12, keep=torch.tensor([11, 7, 3])).tolist() == [2, 7, 9, 5, 3, 11, 0]
+    assert frequent_tokens(examples, 3, 12, keep=torch.tensor([11, 0])).tolist() == [2, 7, 9]
     with pytest.raises(ValueError, match=r"draft vocabulary size must be in \[1, 12\]"):
         frequent_tokens(examples, 13, 12)

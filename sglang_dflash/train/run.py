@@ -23,7 +23,8 @@ def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: in
     model name such as "smollm2-135m") on `data`: jsonl files, source directories, or feature
     datasets written by `sglang-dflash regenerate`. With `regenerate_answers` the target first
     answers the sources' prompts itself (max_len new tokens each). With `draft_vocab_size` > 0
-    the checkpoint also gets a draft vocabulary of that many ids (`frequent_tokens`). The tau
+    the checkpoint also gets a draft vocabulary of that many ids (`frequent_tokens`; a resumed or
+    fine-tuned drafter's own vocabulary fills what the data leaves). The tau
     estimate runs on `held_out` shuffled examples of `data`, or on all of `held_out_data` (read
     the same way) when given: a fixed set that stays unseen when more training data is added."""
     hf = HFTarget.from_pretrained(target, dtype=torch.float32, device=device)
@@ -63,23 +64,32 @@ def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: in
         held, train = examples[:held_out], examples[held_out:]
     if draft_vocab_size > 0:
         vocab = draft.config.vocab_size
-        print(f"wrote {save_draft_vocab(out, frequent_tokens(train, draft_vocab_size, vocab), vocab)}")
+        draft.draft_vocab = frequent_tokens(train, draft_vocab_size, vocab, keep=draft.draft_vocab)
+        print(f"wrote {save_draft_vocab(out, draft.draft_vocab, vocab)}")  # and with every checkpoint
     trainer = Trainer(hf.model, draft, train, held, cfg, feature_cache=feature_cache)
     trainer.resume()
     return trainer.run()
 
 
-def frequent_tokens(examples: list[Example], size: int, vocab_size: int) -> torch.Tensor:
+def frequent_tokens(examples: list[Example], size: int, vocab_size: int,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
     """The `size` token ids drafts should be able to take: those the loss covers, most frequent
-    first, then (if fewer occur) the lowest remaining ids, which BPE vocabularies give to their
-    most common merges."""
+    first; then (if fewer occur) the ids of `keep`, the vocabulary of the drafter being fine-tuned,
+    so tokens it learned on earlier data stay draftable when the new data never uses them; then
+    the lowest remaining ids, which BPE vocabularies give to their most common merges."""
     if not 0 < size <= vocab_size:
         raise ValueError(f"draft vocabulary size must be in [1, {vocab_size}], got {size}")
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for e in examples:
         counts += torch.bincount(e.input_ids[e.loss_mask.bool()].long(), minlength=vocab_size)
-    # Stable sort by descending count keeps ties (and all unseen ids) in ascending id order.
-    return torch.sort(-counts, stable=True).indices[:size]
+    # A kept id ranks after every id the data uses and before every other unused one: -1 against
+    # the unused ids' 0.
+    rank = -counts * 2
+    if keep is not None:
+        kept = keep.long().cpu()
+        rank[kept] = torch.where(counts[kept] > 0, rank[kept], -1)
+    # Stable sort keeps ties (and all unused ids) in ascending id order.
+    return torch.sort(rank, stable=True).indices[:size]
 
 
 def _check_compatible(config: DFlashConfig, target_config) -> None:
