@@ -82,12 +82,12 @@ def frequent_tokens(examples: list[Example], size: int, vocab_size: int,
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for e in examples:
         counts += torch.bincount(e.input_ids[e.loss_mask.bool()].long(), minlength=vocab_size)
-    # A kept id ranks after every id the data uses and before every other unused one: -1 against
-    # the unused ids' 0.
+    # Counts doubled, so a kept id the data never uses (-1) ranks after every used id (<= -2) and
+    # before the other unused ids (0).
     rank = -counts * 2
     if keep is not None:
         kept = keep.long().cpu()
-        rank[kept] = torch.where(counts[kept] > 0, rank[kept], -1)
+        rank[kept[counts[kept] == 0]] = -1
     # Stable sort keeps ties (and all unused ids) in ascending id order.
     return torch.sort(rank, stable=True).indices[:size]
 
