@@ -13,6 +13,7 @@ to stop in the faulting kernel under a debugger) instead of recording it for che
 import glob
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 
@@ -81,6 +82,7 @@ def extensions():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
     extra = {"cxx": _cpu_flags()}
+    link_args = ["-fopenmp", *_shared_libstdcxx(cpp_extension.get_cxx_compiler())]
     if not _cuda_wanted():
         return [
             cpp_extension.CppExtension(
@@ -88,7 +90,7 @@ def extensions():
                 sources,
                 include_dirs=include_dirs,
                 extra_compile_args=extra,
-                extra_link_args=["-fopenmp"],
+                extra_link_args=link_args,
             )
         ]
     os.environ["CUDA_HOME"] = cpp_extension.CUDA_HOME = _cuda_home()
@@ -104,9 +106,28 @@ def extensions():
             sources,
             include_dirs=include_dirs + _cuda_library_headers(),
             extra_compile_args=extra,
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link_args,
         )
     ]
+
+
+def _shared_libstdcxx(cxx: str) -> list[str]:
+    """Link arguments that make _C use the libstdc++.so torch already loaded, where the compiler
+    would link libstdc++ statically. A compiler with only libstdc++.a (the H200 image's $CXX,
+    /opt/gcc/bin/g++) puts a private copy of libstdc++ into _C; its iostreams then run against the
+    locale data of the process's libstdc++.so, and the first error message with a number in it
+    segfaulted the process (every bad index check_device_errors raised, gpu_check 2026-12-04)."""
+    found = subprocess.run([*shlex.split(cxx), "-print-file-name=libstdc++.so"], capture_output=True,
+                           text=True).stdout.strip()
+    if os.path.isabs(found) or not os.path.exists("/proc/self/maps"):
+        return []  # links the shared library itself (or not Linux)
+    with open("/proc/self/maps") as maps:  # torch is imported: its libstdc++ is mapped
+        loaded = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    if len(loaded) != 1:
+        raise RuntimeError(f"{cxx} would link libstdc++ statically into sglang_dflash._C, which crashes next "
+                           f"to torch's libstdc++.so, and the one torch loaded is not known ({sorted(loaded)}); "
+                           "set CXX to a compiler that links libstdc++.so")
+    return [loaded.pop()]
 
 
 def _cuda_library_headers() -> list[str]:

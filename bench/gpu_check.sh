@@ -9,7 +9,8 @@
 #   env          GPU, clocks, driver, kernel, torch / CUDA / Triton / nvcc / pytest versions, cores
 #   build        the extension rebuilt in place (sglang_dflash/_C*.so) with its CUDA kernels for sm_90
 #                only (MAX_JOBS = cores); when that fails, each .cu alone
-#                (scripts/check_device_build.py --installed-torch) for its own first errors
+#                (scripts/check_device_build.py --installed-torch) for its own first errors; then
+#                tests/test_packaging.py (the build links torch's libstdc++.so and raises errors cleanly)
 #   smoke        bench/gpu_smoke.py: each op in its own process, CUDA_LAUNCH_BLOCKING=1, max error vs
 #                the pure-PyTorch reference on the CPU
 #   tests        the cuda-marked tests (CUDA_TEST_FILES), one pytest process per op family side by side, a time limit
@@ -83,7 +84,9 @@ stage_build() {
     "$PY" scripts/check_device_build.py --installed-torch --arch 90
     return 1
   fi
-  "$PY" -c "from sglang_dflash._extension import has_cuda_kernels as h; assert h(), 'no CUDA kernels registered'"
+  "$PY" -c "from sglang_dflash._extension import has_cuda_kernels as h; assert h(), 'no CUDA kernels registered'" || return 1
+  # The build links torch's libstdc++.so and raises errors cleanly (a private libstdc++ segfaulted here).
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_packaging.py || { echo "NOTE: tests/test_packaging.py failed"; return 1; }
 }
 
 stage_smoke() {

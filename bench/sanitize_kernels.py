@@ -107,9 +107,13 @@ def main() -> None:
     # gumbel_argmax: with and without ids, a row longer than one block's pass.
     gumbel(torch.float32, 3, 1000, True)
     gumbel(torch.bfloat16, 2, 40000, False)
-    # materialize_context_kv: neox and interleaved RoPE, partial rotary, strided pools.
-    context_kv(torch.bfloat16, torch.bfloat16, 128, 128)
-    context_kv(torch.float32, torch.float16, 64, 32, is_neox=False, pad=3)
+    # materialize_context_kv: neox and interleaved RoPE, partial rotary, strided pools. Not under
+    # racecheck (--small): its projection is a cuBLAS call, and on the H200 (driver 580.159.04,
+    # CUDA 13.0) racecheck fails with a hardware exception on a bare bf16 F.linear of these shapes
+    # with no kernel of ours in the process (2026-12-04); memcheck covers these calls.
+    if not small:
+        context_kv(torch.bfloat16, torch.bfloat16, 128, 128)
+        context_kv(torch.float32, torch.float16, 64, 32, is_neox=False, pad=3)
     print("sanitize_kernels: all calls completed")
 
 
