@@ -14,7 +14,8 @@
 #   smoke        bench/gpu_smoke.py: each op in its own process, CUDA_LAUNCH_BLOCKING=1, max error vs
 #                the pure-PyTorch reference on the CPU
 #   tests        the cuda-marked tests (CUDA_TEST_FILES), one pytest process per op family side by side, a time limit
-#                per test (pytest-timeout) and a JUnit XML each
+#                per test (pytest-timeout), one xdist worker each (a test that crashes it is reported as
+#                failed and the rest still run) and a JUnit XML each
 #   memcheck     compute-sanitizer memcheck over bench/sanitize_kernels.py, our kernels only
 #   bench-quick  bench/bench_kernels.py --quick
 #   racecheck    compute-sanitizer racecheck, our kernels only
@@ -97,11 +98,19 @@ stage_smoke() {
 CUDA_TEST_FILES=(tests/test_cuda_ops.py tests/test_ops_exactness.py tests/test_ops_index_errors.py)
 
 stage_tests() {
-  local timeout_opt=()
+  local timeout_opt=() worker_opt=()
   if "$PY" -c "import pytest_timeout" 2>/dev/null; then
     timeout_opt=(--timeout=60)
   else
     echo "NOTE: pytest-timeout missing: no per-test time limit"
+  fi
+  # In one xdist worker a test that crashes the process is reported as failed and the family's
+  # other tests still run (without it, the first GPU run lost a family's remaining tests to one
+  # segfault).
+  if "$PY" -c "import xdist" 2>/dev/null; then
+    worker_opt=(-n 1)
+  else
+    echo "NOTE: pytest-xdist missing: a crashing test ends its family's run"
   fi
   # One process per op family: a kernel fault ends one family's process, not the others'.
   local names=(block_attention verify gumbel_argmax materialize_context_kv other)
@@ -111,7 +120,7 @@ stage_tests() {
   mkdir -p "$LOGS/junit"
   for i in "${!names[@]}"; do
     OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) "$PY" -m pytest -v -rs -m cuda "${CUDA_TEST_FILES[@]}" \
-      -k "${exprs[i]}" -p no:cacheprovider --junitxml="$LOGS/junit/${names[i]}.xml" "${timeout_opt[@]}" \
+      -k "${exprs[i]}" -p no:cacheprovider --junitxml="$LOGS/junit/${names[i]}.xml" "${timeout_opt[@]}" "${worker_opt[@]}" \
       >"$LOGS/tests-${names[i]}.log" 2>&1 &
     pids+=($!)
   done
