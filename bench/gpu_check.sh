@@ -19,6 +19,7 @@
 #   memcheck     compute-sanitizer memcheck over bench/sanitize_kernels.py, our kernels only
 #   bench-quick  bench/bench_kernels.py --quick
 #   racecheck    compute-sanitizer racecheck, our kernels only
+#   profile      Nsight Compute on one warm block_attention call (bench/profile_block_attention.py)
 #   bench        the full kernel benchmark with the time left (its JSON grows case by case)
 # Files in OUT_DIR (6; the device tool returns at most 8):
 #   summary.json             per stage: status (passed / failed / timeout / skipped: cannot run here /
@@ -166,6 +167,20 @@ stage_racecheck() {
   sanitize racecheck --small
 }
 
+# Nsight Compute's counters for one warm block_attention call (the kernel the first GPU run found
+# slow): DRAM throughput, occupancy and its limiter, warp stall reasons; the report is profile.log.
+stage_profile() {
+  local ncu
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  if [ ! -x "$ncu" ]; then
+    echo "NOTE: ncu not found"
+    return 3
+  fi
+  "$ncu" --clock-control none --kernel-name regex:block_attention_mma --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis "$PY" bench/profile_block_attention.py
+}
+
 stage_bench_quick() {
   "$PY" bench/bench_kernels.py --quick --out "$OUT_DIR/bench_kernels_quick.json"
 }
@@ -297,6 +312,7 @@ run_stage tests 40 150 gpu
 run_stage memcheck 30 90 gpu
 run_stage bench-quick 30 60 gpu
 run_stage racecheck 30 60 gpu
+run_stage profile 30 90 gpu
 run_stage bench 30 "$BUDGET" gpu
 
 save_outputs true

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["env", "build", "smoke", "tests", "memcheck", "bench-quick", "racecheck", "bench"]
+STAGES = ["env", "build", "smoke", "tests", "memcheck", "bench-quick", "racecheck", "profile", "bench"]
 
 
 def test_gpu_check_out_of_budget_writes_its_summary(tmp_path):
