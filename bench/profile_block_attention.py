@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from bench_kernels import ATTN_SHAPE  # bench/ is on sys.path when this file runs as a script
 
 from sglang_dflash import ops
 
@@ -29,7 +30,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_block_attention: no CUDA device")
-    hq, hkv, d, block, dtype, dev = 32, 8, 128, 16, torch.bfloat16, torch.device("cuda")
+    hq, hkv, d, block = (ATTN_SHAPE[k] for k in ("hq", "hkv", "head_dim", "block"))
+    dtype, dev = torch.bfloat16, torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     n_slots = 2 * args.bs * args.ctx
     k_cache = torch.randn(n_slots, hkv, d, device=dev, dtype=dtype, generator=g)
