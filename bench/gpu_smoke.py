@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+from provenance import run_info  # bench/ is on sys.path when this file runs as a script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -144,7 +145,7 @@ def main() -> int:
     print(f"gpu_smoke: {sum(r['passed'] for r in results)} of {len(results)} ops passed on {args.device}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=args.device, passed=passed, ops=results), f, indent=1)
+            json.dump(dict(provenance=run_info({}), device=args.device, passed=passed, ops=results), f, indent=1)
     return 0 if passed else 1
 
 
