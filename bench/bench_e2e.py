@@ -18,7 +18,7 @@ a line).
     python bench/bench_e2e.py [--draft DIR|NAME] [--target smollm2-135m] [--datasets gsm8k humaneval]
         [--samples 8] [--block-sizes 4 8 16] [--adaptive 8] [--tree-budgets 4 8 16 [--tree-topk 4]]
         [--temperatures 0 1] [--max-new-tokens 128]
-        [--draft-dtype float32|bfloat16] [--out PATH]
+        [--draft-dtype bfloat16|float32|int8] [--out PATH]
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from provenance import run_info
 from tqdm import tqdm
 
 from sglang_dflash.data import gsm8k_path
-from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
-from sglang_dflash.engine import DFlashDrafter, HFTarget, SamplingParams
+from sglang_dflash.drafters import DRAFT_DTYPES, SHIPPED_DRAFTER, resolve_draft
+from sglang_dflash.engine import HFTarget, SamplingParams, load_drafter
 from sglang_dflash.engine.compare import compare
 from sglang_dflash.engine.packaged import model_dir
-from sglang_dflash.models import DFlashConfig, load_draft
+from sglang_dflash.models import DFlashConfig
 from sglang_dflash.train.code_prompts import complete_function_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,7 +277,7 @@ def main() -> None:
                              "each of these many nodes")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+    parser.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="bfloat16",
                         help="dtype the draft model runs in (its drafts never change the output)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -294,14 +294,13 @@ def main() -> None:
 
     target_dir, draft_dir = model_dir(args.target), resolve_draft(args.draft)
     info = run_info({"target": target_dir, "draft": draft_dir})  # before the run loads the machine
-    draft_dtype = getattr(torch, args.draft_dtype)
     max_block_size = DFlashConfig.from_file(draft_dir / "config.json").block_size
 
     def new_target():
         return HFTarget.from_pretrained(target_dir)
 
     def new_drafter(target):
-        return DFlashDrafter(load_draft(draft_dir, dtype=draft_dtype), target)
+        return load_drafter(draft_dir, target, args.draft_dtype)
 
     block_sizes = [b for b in args.block_sizes if b <= max_block_size]
     adaptive = [b for b in args.adaptive if b <= max_block_size]

@@ -6,8 +6,9 @@ verify_block the logits rows up to each request's first rejection; for skinny_li
 weights and inputs) and that as % of this machine's measured read bandwidth (a sum over 256 MiB:
 the memory roofline of a kernel that streams its inputs once), and writes the table to
 bench/results/cpu_ops.json. skinny_linear's baseline is torch's own F.linear (BLAS),
-the op it replaces; its weights are SmolLM2-135M's shapes, as many copies as the model has
-layers, so they stream from memory as in a decode step rather than sitting in cache.
+the op it replaces, and with an int8 weight (the int8 drafter's) it is the same kernel on the bf16
+weight (what that drafter ran before); its weights are SmolLM2-135M's shapes, as many copies as
+the model has layers, so they stream from memory as in a decode step rather than sitting in cache.
 target_verify times a whole verify forward of the packaged target against the attention mask path
 it replaced (alternating calls).
 
@@ -35,6 +36,7 @@ from provenance import run_info  # noqa: E402  (this script's folder)
 from sglang_dflash import ops  # noqa: E402
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft  # noqa: E402
 from sglang_dflash.engine.packaged import model_dir  # noqa: E402
+from sglang_dflash.models.skinny import quantize_rows  # noqa: E402
 from sglang_dflash.ops import reference  # noqa: E402
 from sglang_dflash.ops.testing import make_attention_inputs as make_inputs  # noqa: E402
 from sglang_dflash.ops.testing import make_tree  # noqa: E402
@@ -86,6 +88,11 @@ LINEAR_SHAPES = [
     (4, 1536, 576, 30, torch.float16),
     (32, 1536, 576, 30, torch.float16),
     (4, 49152, 576, 1, torch.float16),
+    # the int8 drafter (bf16 activations): its MLP-sized projections at B 2 and 4, its 16k-row head
+    (1, 1536, 576, 30, torch.int8),
+    (2, 1536, 576, 30, torch.int8),
+    (4, 1536, 576, 30, torch.int8),
+    (1, 16384, 576, 4, torch.int8),
 ]
 
 
@@ -151,13 +158,22 @@ def read_bandwidth() -> float:
 def bench_skinny_linear(shape, repeats):
     rows, n, k, copies, dtype = shape
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
-    x = torch.randn(rows, k, generator=gen).to(dtype)
-    kernel = median_time(lambda: [ops.skinny_linear(x, w) for w in weights], repeats)
-    blas = median_time(lambda: [torch.nn.functional.linear(x, w) for w in weights], repeats)
-    gbps = copies * (n + rows) * k * x.element_size() / kernel / 1e9  # weights + x, read once per copy
+    weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16 if dtype == torch.int8 else dtype)
+    if dtype == torch.int8:  # against the same kernel on the bf16 weight
+        quantized = [quantize_rows(w) for w in weights]
+        bf16 = [w.bfloat16() for w in weights]
+        kernel = median_time(lambda: [ops.skinny_linear(x, q, None, s) for q, s in quantized], repeats)
+        base = median_time(lambda: [ops.skinny_linear(x, w) for w in bf16], repeats)
+        baseline, weight_bytes = "skinny_linear bf16", n * (k + 4)
+    else:
+        weights = [w.to(dtype) for w in weights]
+        kernel = median_time(lambda: [ops.skinny_linear(x, w) for w in weights], repeats)
+        base = median_time(lambda: [torch.nn.functional.linear(x, w) for w in weights], repeats)
+        baseline, weight_bytes = "F.linear", n * k * x.element_size()
+    gbps = copies * (weight_bytes + rows * k * x.element_size()) / kernel / 1e9  # weights + x, read once per copy
     return dict(op="skinny_linear", rows=rows, N=n, K=k, copies=copies, dtype=str(dtype).removeprefix("torch."),
-                baseline="F.linear", kernel_ms=kernel * 1e3, reference_ms=blas * 1e3, ratio=blas / kernel,
+                baseline=baseline, kernel_ms=kernel * 1e3, reference_ms=base * 1e3, ratio=base / kernel,
                 kernel_GBps=gbps)
 
 

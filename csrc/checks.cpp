@@ -315,22 +315,35 @@ void check_verify_tree_values(const at::Tensor& parents, const at::Tensor& depth
 }
 
 LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weight,
-                                     const std::optional<at::Tensor>& bias) {
+                                     const std::optional<at::Tensor>& bias,
+                                     const std::optional<at::Tensor>& weight_scale) {
   const char* op = "skinny_linear";
   check_rank(op, "weight", weight, 2, "[N, K]");
   SGLD_CHECK(x.dim() >= 1, op, "x must have at least 1 dimension [..., K], got a scalar");
   SGLD_CHECK(x.size(-1) == weight.size(1), op, "x.shape[-1] must be K = weight.shape[1] = ",
              weight.size(1), ", got x shape ", shape_of(x));
-  SGLD_CHECK(is_float_type(weight.scalar_type()), op,
-             "weight must be float32, bfloat16 or float16, got ", weight.scalar_type());
-  check_dtype(op, "x", x, weight.scalar_type());
+  if (weight_scale.has_value()) {
+    SGLD_CHECK(is_float_type(x.scalar_type()), op, "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+    SGLD_CHECK(weight.scalar_type() == at::kChar, op,
+               "weight_scale is given, so weight must be int8 (quantized), got ", weight.scalar_type());
+    check_rank(op, "weight_scale", *weight_scale, 1, "[N]");
+    check_size(op, "weight_scale", *weight_scale, 0, weight.size(0), "N = weight.shape[0]");
+    check_dtype(op, "weight_scale", *weight_scale, at::kFloat);
+    check_same_device(op, x, "weight_scale", *weight_scale);
+  } else {
+    SGLD_CHECK(weight.scalar_type() != at::kChar, op,
+               "an int8 weight needs weight_scale (float32 [N], one scale per weight row)");
+    SGLD_CHECK(is_float_type(weight.scalar_type()), op,
+               "weight must be float32, bfloat16 or float16 (or int8 with weight_scale), got ", weight.scalar_type());
+    check_dtype(op, "x", x, weight.scalar_type());
+  }
   SGLD_CHECK(weight.size(1) == 0 || weight.stride(1) == 1, op,
              "weight must have a contiguous last dimension (stride 1), got strides ", weight.strides());
   check_same_device(op, x, "weight", weight);
   if (bias.has_value()) {
     check_rank(op, "bias", *bias, 1, "[N]");
     check_size(op, "bias", *bias, 0, weight.size(0), "N = weight.shape[0]");
-    check_dtype(op, "bias", *bias, weight.scalar_type());
+    check_dtype(op, "bias", *bias, x.scalar_type());
     check_same_device(op, x, "bias", *bias);
   }
   int64_t rows = 1;

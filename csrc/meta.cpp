@@ -51,8 +51,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_from_ids_meta(const a
 }
 
 at::Tensor skinny_linear_meta(const at::Tensor& x, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias) {
-  check_skinny_linear_args(x, weight, bias);
+                              const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& weight_scale) {
+  check_skinny_linear_args(x, weight, bias, weight_scale);
   auto sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
   return at::empty(sizes, x.options());

@@ -21,7 +21,7 @@ TORCH_LIBRARY(sglang_dflash, m) {
   m.def(
       "verify_tree_from_ids(Tensor tokens, Tensor parents, Tensor depths, Tensor target_ids) -> "
       "(Tensor accept_len, Tensor path, Tensor out_tokens)");
-  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> Tensor");
   m.def("gumbel_argmax(Tensor scores, Tensor? ids, int seed, Tensor offsets, Tensor rows) -> Tensor");
   m.def(
       "materialize_context_kv(Tensor ctx, Tensor[] kv_weights, Tensor[]? kv_biases, Tensor[] k_norm_weights, "

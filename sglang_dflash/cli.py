@@ -15,7 +15,7 @@ import dataclasses
 import json
 import sys
 
-from sglang_dflash.drafters import SHIPPED_DRAFTER
+from sglang_dflash.drafters import DRAFT_DTYPES, SHIPPED_DRAFTER
 
 PACKAGED_HELP = "a Hugging Face model directory, or a packaged model name: smollm2-135m, qwen2.5-coder-0.5b"
 
@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "best tokens at each of the B - 1 positions, grown best first; 0: a chain); with --adaptive, "
                         "each step a chain of up to B or a tree of N, N/2 or N/4, whichever is expected to be fastest")
     g.add_argument("--tree-topk", type=int, default=4, metavar="K", help="choices per position of a tree (default 4)")
-    g.add_argument("--draft-dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="dtype the draft model runs in (default bfloat16; drafts never change the output)")
+    g.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="bfloat16",
+                   help="dtype the draft model runs in (default bfloat16; int8: int8 weights with a scale per row, "
+                        "bf16 activations, half the bytes a CPU draft step reads; drafts never change the output)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -202,9 +203,8 @@ def generate(args: argparse.Namespace) -> int:
     import torch
 
     from sglang_dflash.drafters import resolve_draft
-    from sglang_dflash.engine import DFlashDrafter, Generator, HFTarget, SamplingParams
+    from sglang_dflash.engine import Generator, HFTarget, SamplingParams, load_drafter
     from sglang_dflash.engine.drafters import NoDrafter
-    from sglang_dflash.models import load_draft
 
     if not args.prompt and not args.prompt_ids:
         raise ValueError("give at least one --prompt or --prompt-ids")
@@ -223,8 +223,7 @@ def generate(args: argparse.Namespace) -> int:
     device = _torch_setup(args)
     target = HFTarget.from_pretrained(args.target, device=device, cache_dir=args.cache_dir)
     if args.draft:
-        drafter = DFlashDrafter(load_draft(resolve_draft(args.draft), dtype=getattr(torch, args.draft_dtype),
-                                           device=device), target)
+        drafter = load_drafter(resolve_draft(args.draft), target, args.draft_dtype, device=device)
         block_size = args.block_size or drafter.max_block_size
     else:
         drafter, block_size = NoDrafter(), args.block_size or 1

@@ -26,12 +26,10 @@ DEMO_PROMPTS = [
 
 
 def run_demo(target_name: str, draft_name: str, block_size: int | None, max_new_tokens: int, device: str) -> int:
-    import torch
-
     from sglang_dflash.drafters import resolve_draft
-    from sglang_dflash.engine import DFlashDrafter, HFTarget, SamplingParams
+    from sglang_dflash.engine import HFTarget, SamplingParams, load_drafter
     from sglang_dflash.engine.compare import compare, decode_rate
-    from sglang_dflash.models import DFlashConfig, load_draft
+    from sglang_dflash.models import DFlashConfig
 
     draft_dir = resolve_draft(draft_name)
 
@@ -39,7 +37,7 @@ def run_demo(target_name: str, draft_name: str, block_size: int | None, max_new_
         return HFTarget.from_pretrained(target_name, device=device)
 
     def new_drafter(target):  # bf16 draft: half the bytes per draft step; drafts never change the output
-        return DFlashDrafter(load_draft(draft_dir, dtype=torch.bfloat16, device=device), target)
+        return load_drafter(draft_dir, target, "bfloat16", device=device)
 
     block_size = block_size or min(DEMO_BLOCK_SIZE, DFlashConfig.from_file(draft_dir / "config.json").block_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)

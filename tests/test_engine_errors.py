@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_dflash.engine import DFlashDrafter, Generator, HFTarget, SamplingParams
+from sglang_dflash.engine import DFlashDrafter, Generator, HFTarget, SamplingParams, load_drafter
 from sglang_dflash.models import ConfigError
 from tests.dflash_testlib import random_draft, tiny_target
 
@@ -25,6 +25,11 @@ def test_drafter_target_mismatch(target):
         DFlashDrafter(random_draft(target, num_target_layers=36), target)
     with pytest.raises(ConfigError, match="mask_token_id"):
         random_draft(target, mask_token_id=96)
+
+
+def test_unknown_draft_dtype_names_the_choices(target, tmp_path):
+    with pytest.raises(ValueError, match="draft dtype 'int4': expected one of bfloat16, float32, int8"):
+        load_drafter(tmp_path, target, "int4")
 
 
 def test_bad_generation_inputs(target):

@@ -1,22 +1,21 @@
 """The shipped drafter on the real SmolLM2-135M target, in a batch of four ragged prompts: greedy
 output equals plain batch-1 decoding and seeded sampled output equals seeded plain batch-1
 sampling, token for token, at B=4 and at B=8 (32 verify rows a step, past the few-row path), and
-the drafter earns its keep (tau >= 1.5 at B=4 on real GSM8K and code prompts)."""
+the drafter earns its keep (tau >= 1.5 at B=4 on real GSM8K and code prompts), in bf16 and with
+int8 weights."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.demo import DEMO_PROMPTS
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
-from sglang_dflash.engine import DFlashDrafter, Generator, SamplingParams
+from sglang_dflash.engine import Generator, SamplingParams, load_drafter
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.generator import encode_prompt
-from sglang_dflash.models import load_draft
 from tests.dflash_testlib import smollm2
 
 MAX_NEW = 40
@@ -27,19 +26,20 @@ SAMPLED = SamplingParams(temperature=0.7, top_p=0.95, seed=7, max_new_tokens=MAX
 @pytest.fixture(scope="module")
 def setup():
     target = smollm2()
-    drafter = DFlashDrafter(load_draft(resolve_draft(SHIPPED_DRAFTER), dtype=torch.bfloat16), target)
+    drafters = {dtype: load_drafter(resolve_draft(SHIPPED_DRAFTER), target, dtype) for dtype in ("bfloat16", "int8")}
     with open(gsm8k_path("test")) as f:
         questions = [json.loads(line)["question"] for _, line in zip(range(2), f, strict=False)]
     prompts = [questions[0], DEMO_PROMPTS[1], questions[1], DEMO_PROMPTS[3]]
     plain = Generator(target, NoDrafter(), 1)
     refs = {params: [plain.generate([p], params)[0].output_ids for p in prompts] for params in (GREEDY, SAMPLED)}
-    return target, drafter, prompts, refs
+    return target, drafters, prompts, refs
 
 
-@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("dtype,block_size", [("bfloat16", 4), ("bfloat16", 8), ("int8", 4)])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded-T0.7"])
-def test_batched_speculative_equals_plain_batch_one(setup, block_size, params):
-    target, drafter, prompts, refs = setup
+def test_batched_speculative_equals_plain_batch_one(setup, dtype, block_size, params):
+    target, drafters, prompts, refs = setup
+    drafter = drafters[dtype]
     assert len({len(encode_prompt(target.tokenizer, p)) for p in prompts}) == 4  # ragged
     results = Generator(target, drafter, block_size).generate(prompts, params)
     assert [r.output_ids for r in results] == refs[params]

@@ -196,3 +196,36 @@ def test_save_then_load_round_trips(tmp_path):
     written = json.loads((tmp_path / "b" / "config.json").read_text())
     assert written["block_size"] == written["dflash_config"]["block_size"] == 8
     assert DFlashConfig.from_dict(written) == model.config
+
+
+def test_quantize_weights_keeps_the_draft_close_and_cannot_be_saved(tmp_path):
+    """int8 weights (inference): fc and every projection but k_proj / v_proj (which
+    materialize_context_kv reads in the model's dtype) become Int8Linear; the draft's hidden states
+    stay within int8 rounding of the bf16 model's; a quantized model is not written as a checkpoint."""
+    from sglang_dflash.models.skinny import Int8Linear
+
+    gen = torch.Generator().manual_seed(5)
+    cfg = zlab_config("v2", 2, [1, 6], 8, 5, False, True)
+    write_checkpoint(tmp_path / "a", cfg, zlab_tensors(2, 2, True, gen), False, torch.float32)
+    outputs = []
+    for quantize in (False, True):
+        model = load_draft(tmp_path / "a", dtype=torch.bfloat16)
+        if quantize:
+            assert model.quantize_weights() == 1 + 2 * 5
+            assert isinstance(model.fc, Int8Linear) and isinstance(model.layers[1].mlp.down_proj, Int8Linear)
+            attn = model.layers[0].self_attn
+            assert attn.k_proj.weight.dtype == attn.v_proj.weight.dtype == torch.bfloat16
+            assert model.dtype == torch.bfloat16
+        h = model.config.hidden_size
+        model.allocate_cache(64, 1, 32)
+        rows = [model.cache.add_request()]
+        context = torch.randn(5, model.fc.in_features, generator=torch.Generator().manual_seed(7))
+        model.append_context(rows, [5], context.bfloat16())
+        block = torch.randn(4, h, generator=torch.Generator().manual_seed(9)).bfloat16()
+        outputs.append(model(block, torch.tensor(rows), 4).float())
+        if quantize:
+            with pytest.raises(ValueError, match="int8 weights"):
+                save_draft(model, tmp_path / "b")
+    full, quantized = outputs
+    assert (quantized - full).norm() / full.norm() < 0.05
+    assert not torch.equal(quantized, full)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_dflash import ops
-from sglang_dflash.models.skinny import MAX_ROWS, SkinnyLinear, use_skinny_linear
+from sglang_dflash.models.skinny import MAX_ROWS, Int8Linear, SkinnyLinear, quantize_rows, use_skinny_linear
 from sglang_dflash.ops import reference
 from sglang_dflash.ops.testing import skinny_linear_error_ratio
 
@@ -131,3 +131,96 @@ def test_module_matches_torch_linear_for_few_rows():
         expected = F.linear(x, layer.weight, layer.bias)
         use_skinny_linear(layer)
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def _int8_inputs(rows, n, k, x_dtype, seed, bias=True):
+    """x in x_dtype, an int8 weight spanning [-127, 127] with row scales of varied magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(x_dtype)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 10.0 ** torch.randint(-4, 1, (n,), generator=g)
+    b = torch.randn(n, generator=g).to(x_dtype) if bias else None
+    return x, w, b, scale
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (1, 64, 576), (2, 33, 8), (3, 97, 100), (5, 7, 1536),
+                                      (8, 258, 577), (16, 130, 19), (37, 21, 64)])
+def test_int8_weight_matches_reference(x_dtype, rows, n, k):
+    """Weight-only int8: column n is scale[n] * (x . w[n]) + b[n], in x's dtype, within the bound;
+    N not a multiple of the 4-row weight tile, K with and without a vector tail."""
+    for seed, bias in ((rows * 7 + n, True), (k + 1, False)):
+        x, w, b, scale = _int8_inputs(rows, n, k, x_dtype, seed, bias)
+        out = ops.skinny_linear(x, w, b, scale)
+        assert out.shape == (rows, n) and out.dtype == x_dtype
+        ratio = skinny_linear_error_ratio(out, x, w, b, scale).max().item()
+        assert ratio <= 1, f"error up to {ratio:.3g}x the bound"
+
+
+def test_int8_bound_rejects_a_missing_or_wrong_scale():
+    """The int8 bound can fail: the unscaled sums, or the scales of the neighbouring rows, are
+    rejected where the kernel's output passes."""
+    x, w, b, scale = _int8_inputs(3, 40, 96, torch.float32, 3)
+    assert skinny_linear_error_ratio(ops.skinny_linear(x, w, b, scale), x, w, b, scale).max() <= 1
+    for wrong in (torch.ones_like(scale), scale.roll(1)):
+        assert skinny_linear_error_ratio(reference.skinny_linear(x, w, b, wrong), x, w, b, scale).max() > 1
+
+
+def test_int8_rows_are_bitwise_independent_of_the_others():
+    x, w, b, scale = _int8_inputs(11, 101, 577, torch.bfloat16, 8)
+    full = ops.skinny_linear(x, w, b, scale)
+    for i in range(11):
+        assert torch.equal(ops.skinny_linear(x[i:i + 1], w, b, scale)[0], full[i])
+
+
+@pytest.mark.parametrize("w,b,scale,match", [
+    (torch.ones(5, 8, dtype=torch.int8), None, None, "an int8 weight needs weight_scale"),
+    (torch.randn(5, 8), None, torch.ones(5), "weight_scale is given, so weight must be int8"),
+    (torch.ones(5, 8, dtype=torch.int8), None, torch.ones(4), r"weight_scale.shape\[0\] must be N"),
+    (torch.ones(5, 8, dtype=torch.int8), None, torch.ones(5).double(), "weight_scale must be Float, got Double"),
+    (torch.ones(5, 8, dtype=torch.int8), None, torch.ones(5, 1), r"weight_scale must be 1-D \[N\]"),
+    (torch.ones(5, 8, dtype=torch.int8), torch.ones(5).bfloat16(), torch.ones(5), "bias must be Float, got BFloat16"),
+])
+def test_int8_bad_arguments(w, b, scale, match):
+    with pytest.raises(ValueError, match=match):
+        ops.skinny_linear(torch.randn(2, 8), w, b, scale)
+
+
+def test_int8_needs_a_float_x_and_has_a_meta_kernel():
+    w, scale = torch.ones(5, 8, dtype=torch.int8), torch.ones(5)
+    with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16, got Double"):
+        ops.skinny_linear(torch.randn(2, 8).double(), w, None, scale)
+    out = ops.skinny_linear(torch.empty(3, 8, dtype=torch.bfloat16, device="meta"), w.to("meta"), None,
+                            scale.to("meta"))
+    assert out.shape == (3, 5) and out.dtype == torch.bfloat16 and out.device.type == "meta"
+
+
+def test_quantize_rows_round_trip_and_edges():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(33, 70, generator=g) * torch.logspace(-3, 1, 33)[:, None]
+    w[4] = 0  # an all-zero row: scale 1, all zeros
+    q, scale = quantize_rows(w.bfloat16())
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.shape == w.shape and scale.shape == (33,)
+    assert scale[4] == 1 and not q[4].any()
+    assert int(q.abs().amax(dim=1)[torch.arange(33) != 4].min()) == 127  # every row uses the full range
+    err = (q.float() * scale[:, None] - w.bfloat16().float()).abs()
+    assert bool((err <= scale[:, None] / 2 * (1 + 1e-6)).all())
+    with pytest.raises(ValueError, match="finite 2-D weight"):
+        quantize_rows(torch.tensor([[1.0, float("nan")]]))
+
+
+def test_int8_linear_module_few_and_many_rows_and_off_cpu():
+    """Int8Linear computes F.linear with the dequantized weight: through the kernel for any row
+    count on the CPU (past MAX_ROWS too), dequantized on another device (meta here)."""
+    layer = nn.Linear(64, 40).bfloat16()
+    q = Int8Linear(layer)
+    dequantized = (q.weight.float() * q.weight_scale[:, None]).bfloat16()
+    for rows in (1, 3, MAX_ROWS + 5, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        with torch.no_grad():
+            out = q(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
+        ratio = skinny_linear_error_ratio(out, x, q.weight, q.bias, q.weight_scale).max().item()
+        assert ratio <= 1, (rows, ratio)
+        torch.testing.assert_close(out, F.linear(x, dequantized, q.bias), rtol=2e-2, atol=2e-2)
+    assert q.to("meta")(torch.empty(2, 64, dtype=torch.bfloat16, device="meta")).shape == (2, 40)

@@ -29,9 +29,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_from_ids(const at::Te
                                                                     const at::Tensor& depths,
                                                                     const at::Tensor& target_ids);
 
-// out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation, for few rows.
+// out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation, for few rows; an
+// int8 weight's sums are multiplied by weight_scale [N] (one scale per weight row) before the bias.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias);
+                         const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& weight_scale);
 
 // Per row r: the column j maximizing scores[r, j] + the Gumbel noise verify_block draws for token
 // ids[j] (j when ids is None) in verify row rows[r] under (seed, offsets[r]); lowest j on ties.

@@ -82,7 +82,7 @@ void materialize_context_kv(const at::Tensor& ctx, at::TensorList kv_weights,
   for (int64_t l = 0; l < shape.layers; ++l) {
     const std::optional<at::Tensor> bias =
         kv_biases.has_value() ? std::optional<at::Tensor>((*kv_biases)[l]) : std::nullopt;
-    const at::Tensor kv = shape.rows <= kSkinnyMaxRows ? skinny_linear(ctx, kv_weights[l], bias)
+    const at::Tensor kv = shape.rows <= kSkinnyMaxRows ? skinny_linear(ctx, kv_weights[l], bias, std::nullopt)
                                                        : at::linear(ctx, kv_weights[l], bias).contiguous();
     const at::Tensor norm = k_norm_weights[l].contiguous();
     keep_alive.insert(keep_alive.end(), {kv, norm});

@@ -12,6 +12,10 @@
 // threads, 4 rows: 6.9 -> 5.0 ms per 60 MLP-sized matrices; 1 row unchanged or better; 1 row with
 // no prefetching at all: 1.6x slower.
 //
+// An int8 weight (weight-only quantization, one fp32 scale per weight row) streams a quarter of
+// the fp32 bytes: its values convert exactly to fp32, and the row's scale multiplies the finished
+// sum, so the arithmetic is the float path's plus one rounding.
+//
 // Each output element is one fixed sequence of fp32 FMAs over k plus a fixed lane reduction, so it
 // depends only on its own x row and weight row: the result for a row is bitwise the same whatever
 // the other rows are or how many there are. A verify pass over B tokens therefore computes exactly
@@ -30,7 +34,21 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kW = Vec::size();
-constexpr int64_t kRowTile = 4;  // x rows per register tile: 4 x 2 accumulators + 2 weight vectors
+
+// Weight rows per tile (their dot products run side by side, each x vector loaded once for all)
+// and x rows per register tile, by weight type, so that Rows x Cols accumulators + Cols weight
+// vectors + an x vector fit in the 16 AVX2 registers. An int8 weight pays a conversion per
+// element: 4 weight rows give 1-2 x rows 4-8 independent FMA chains, which keeps that stream up
+// with memory; 2 x 2 chains left it latency bound at half of it (bench/bench_ops.py).
+template <typename W>
+struct Tile {
+  static constexpr int kCols = 2, kRows = 4;
+};
+template <>
+struct Tile<int8_t> {
+  static constexpr int kCols = 4, kRows = 2;
+};
+constexpr int kMaxRows = 4, kMaxCols = 4;
 
 // The inner loop on raw registers where the ISA has them: with Vectorized<float> (its loadu keeps
 // a stack buffer for partial loads) GCC stores all 8 accumulators to the stack on every k
@@ -45,10 +63,19 @@ inline Reg load_x(const float* p) { return Vec::loadu(p); }
 inline Reg fmadd(const Reg& x, const Reg& w, const Reg& acc) { return at::vec::fmadd(x, w, acc); }
 #endif
 
+// kW weights as fp32 (exact for every weight type).
 template <typename T>
-inline Vec load_weight(const T* p) {
+inline Reg load_weight(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(p);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+#if defined(CPU_CAPABILITY_AVX2)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+    float f[kW];
+    for (int64_t i = 0; i < kW; ++i) f[i] = p[i];
+    return Vec::loadu(f);
+#endif
   } else {
     Vec v;
     at::vec::load_to_float(p, v);
@@ -62,77 +89,104 @@ inline float lane_sum(const Vec& v) {
 }
 
 constexpr int64_t kLineBytes = 64;
-constexpr int64_t kPrefetchRowsAhead = 4;  // two pairs: ~9 KiB ahead at K = 576 fp32, 24 KiB at 1536
+// Each thread prefetches two tiles of weight rows ahead: ~9 KiB at K = 576 in fp32, 24 KiB at 1536.
+template <typename W>
+constexpr int64_t kPrefetchRowsAhead = 2 * Tile<W>::kCols;
 
-// Rows [m0, m0 + R) of x against weight rows w0, w1: R x 2 dot products of length K. R is a
-// compile-time constant so the accumulators live in registers. pf0/pf1 are the weight rows to
-// prefetch meanwhile, one line of each per line of w0/w1 consumed.
-template <int R, typename T>
-void dot_tile(const float* xf, int64_t K, const T* w0, const T* w1, const char* pf0, const char* pf1,
-              float (&sums)[kRowTile][2]) {
+// Rows [m0, m0 + R) of x against C weight rows w[c]: R x C dot products of length K. R and C are
+// compile-time constants so the accumulators live in registers. pf[c] are the weight rows to
+// prefetch meanwhile, one line of each per line of w[c] consumed.
+template <int R, int C, typename T>
+void dot_tile(const float* xf, int64_t K, const T* const (&w)[C], const char* const (&pf)[C],
+              float (&sums)[kMaxRows][kMaxCols]) {
   constexpr int64_t kLine = kLineBytes / sizeof(T);  // elements per cache line
   static_assert(kLine % kW == 0, "a cache line holds whole vectors");
   const int64_t k_vec = K - K % kW, k_lines = K - K % kLine;
-  Reg acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
+  Reg acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = Vec(0.f);
   auto step = [&](int64_t k) {
-    const Reg a = load_weight(w0 + k), b = load_weight(w1 + k);
+    Reg wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load_weight(w[c] + k);
     for (int r = 0; r < R; ++r) {
       const Reg xv = load_x(xf + r * K + k);
-      acc[r][0] = fmadd(xv, a, acc[r][0]);
-      acc[r][1] = fmadd(xv, b, acc[r][1]);
+      for (int c = 0; c < C; ++c) acc[r][c] = fmadd(xv, wv[c], acc[r][c]);
     }
   };
   int64_t k = 0;
   for (; k < k_lines; k += kLine) {
-    __builtin_prefetch(pf0 + k * sizeof(T), /*rw=*/0, /*locality: L2 and outward=*/1);
-    __builtin_prefetch(pf1 + k * sizeof(T), 0, 1);
+    for (int c = 0; c < C; ++c) __builtin_prefetch(pf[c] + k * sizeof(T), /*rw=*/0, /*locality: L2 and outward=*/1);
     for (int64_t j = 0; j < kLine; j += kW) step(k + j);
   }
   for (; k < k_vec; k += kW) step(k);
   for (int r = 0; r < R; ++r) {
     const float* xr = xf + r * K;
-    float s0 = lane_sum(Vec(acc[r][0])), s1 = lane_sum(Vec(acc[r][1]));
-    for (int64_t k = k_vec; k < K; ++k) {
-      s0 += xr[k] * static_cast<float>(w0[k]);
-      s1 += xr[k] * static_cast<float>(w1[k]);
+    for (int c = 0; c < C; ++c) {
+      float sum = lane_sum(Vec(acc[r][c]));
+      for (int64_t k = k_vec; k < K; ++k) sum += xr[k] * static_cast<float>(w[c][k]);
+      sums[r][c] = sum;
     }
-    sums[r][0] = s0;
-    sums[r][1] = s1;
   }
 }
 
-// out rows [0, M) x columns {n0, n1} (n1 == n0 for an odd last column: computed, stored once).
-template <typename T>
-void column_pair(const float* xf, int64_t M, int64_t K, const T* w0, const T* w1, const char* pf0,
-                 const char* pf1, const T* bias, int64_t n0, int64_t n1, int64_t N, T* out) {
-  float sums[kRowTile][2];
-  for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-    const int64_t rows = std::min(kRowTile, M - m0);
+// out rows [0, M) x the tile's columns n[c] (the last tile repeats column N - 1 where N is not a
+// multiple of C: computed again, the same value stored again); each sum times its weight row's
+// scale when the weight is quantized (scale != null).
+template <typename W, typename O>
+void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[Tile<W>::kCols],
+                 const char* const (&pf)[Tile<W>::kCols], const int64_t (&n)[Tile<W>::kCols], const float* scale,
+                 const O* bias, int64_t N, O* out) {
+  constexpr int C = Tile<W>::kCols, kRows = Tile<W>::kRows;
+  float sums[kMaxRows][kMaxCols];
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, M - m0);
     const float* xm = xf + m0 * K;
     switch (rows) {
-      case 4: dot_tile<4>(xm, K, w0, w1, pf0, pf1, sums); break;
-      case 3: dot_tile<3>(xm, K, w0, w1, pf0, pf1, sums); break;
-      case 2: dot_tile<2>(xm, K, w0, w1, pf0, pf1, sums); break;
-      default: dot_tile<1>(xm, K, w0, w1, pf0, pf1, sums); break;
+      case 4: if constexpr (kRows >= 4) dot_tile<4, C>(xm, K, w, pf, sums); break;
+      case 3: if constexpr (kRows >= 3) dot_tile<3, C>(xm, K, w, pf, sums); break;
+      case 2: dot_tile<2, C>(xm, K, w, pf, sums); break;
+      default: dot_tile<1, C>(xm, K, w, pf, sums); break;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float s0 = sums[r][0], s1 = sums[r][1];
-      if (bias != nullptr) {
-        s0 += static_cast<float>(bias[n0]);
-        s1 += static_cast<float>(bias[n1]);
+      for (int c = 0; c < C; ++c) {
+        float sum = sums[r][c];
+        if (scale != nullptr) sum *= scale[n[c]];
+        if (bias != nullptr) sum += static_cast<float>(bias[n[c]]);
+        out[(m0 + r) * N + n[c]] = static_cast<O>(sum);
       }
-      out[(m0 + r) * N + n0] = static_cast<T>(s0);
-      out[(m0 + r) * N + n1] = static_cast<T>(s1);
     }
   }
+}
+
+// All weight rows against all rows of x (fp32, xp): each thread streams a band of row tiles.
+template <typename W, typename O>
+void stream_weight(const float* xp, int64_t M, int64_t N, int64_t K, const W* w, int64_t ldw,
+                   const float* scale, const O* bias, O* out) {
+  constexpr int C = Tile<W>::kCols;
+  const int64_t tiles = (N + C - 1) / C;
+  // ~64 KiB of weight per task at K = 576, fp32: long sequential streams, enough tasks to balance.
+  at::parallel_for(0, tiles, 32 / C, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t n[C];
+      const W* rows[C];
+      const char* pf[C];
+      for (int c = 0; c < C; ++c) {
+        n[c] = std::min(t * C + c, N - 1);
+        rows[c] = w + n[c] * ldw;
+        // Near the end the prefetch re-touches the last rows rather than reading past the weight.
+        pf[c] = reinterpret_cast<const char*>(w + std::min(t * C + kPrefetchRowsAhead<W> + c, N - 1) * ldw);
+      }
+      column_tile(xp, M, K, rows, pf, n, scale, bias, N, out);
+    }
+  });
 }
 
 }  // namespace
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias) {
-  const auto shape = check_skinny_linear_args(x, weight, bias);
+                         const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& weight_scale) {
+  const auto shape = check_skinny_linear_args(x, weight, bias, weight_scale);
   const int64_t M = shape.rows, N = shape.out, K = shape.in;
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = N;
@@ -140,24 +194,18 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   if (M == 0 || N == 0) return out;
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const float* xp = xf.const_data_ptr<float>();
   const int64_t ldw = weight.stride(0);
-  SGLD_DISPATCH_FLOAT_TYPES(weight.scalar_type(), "skinny_linear", [&] {
-    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+  SGLD_DISPATCH_FLOAT_TYPES(x.scalar_type(), "skinny_linear", [&] {
     const scalar_t* bp = b.defined() ? b.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    const float* xp = xf.const_data_ptr<float>();
-    const int64_t pairs = (N + 1) / 2;
-    // ~64 KiB of weight per task at K = 576, fp32: long sequential streams, enough tasks to balance.
-    at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = 2 * p, n1 = std::min(n0 + 1, N - 1);
-        // Near the end the prefetch re-touches the last rows rather than reading past the weight.
-        const int64_t pf_row = std::min(n0 + kPrefetchRowsAhead, N - 1);
-        const char* pf0 = reinterpret_cast<const char*>(w + pf_row * ldw);
-        const char* pf1 = reinterpret_cast<const char*>(w + std::min(pf_row + 1, N - 1) * ldw);
-        column_pair(xp, M, K, w + n0 * ldw, w + n1 * ldw, pf0, pf1, bp, n0, n1, N, o);
-      }
-    });
+    if (weight_scale.has_value()) {  // int8 weight (checked)
+      const at::Tensor scale = weight_scale->contiguous();
+      stream_weight(xp, M, N, K, weight.const_data_ptr<int8_t>(), ldw, scale.const_data_ptr<float>(), bp, o);
+    } else {
+      stream_weight(xp, M, N, K, weight.const_data_ptr<scalar_t>(), ldw, static_cast<const float*>(nullptr),
+                    bp, o);
+    }
   });
   return out;
 }

@@ -13,8 +13,10 @@ import dataclasses
 
 import torch
 
+from sglang_dflash.drafters import DRAFT_DTYPES
 from sglang_dflash.engine.target import HFTarget
-from sglang_dflash.models import DFlashDraftModel
+from sglang_dflash.models import DFlashDraftModel, load_draft
+from sglang_dflash.models.skinny import quantize_rows
 from sglang_dflash.ops import gumbel_argmax
 
 
@@ -29,10 +31,11 @@ class DraftSampling:
 
 
 class DFlashDrafter:
-    """`head_dtype`: the dtype of the drafter's copy of the target's LM head, restricted to the
-    checkpoint's draft vocabulary when it has one (`model.draft_vocab`). Drafts only propose (the
-    target's verify decides every token), so neither can change the output; both shrink the widest
-    matmul of a draft step (SmolLM2: 49152 x 576 in fp32)."""
+    """`head_dtype`: the dtype of the drafter's copy of the target's LM head (torch.int8: int8
+    with one scale per row, `quantize_rows`), restricted to the checkpoint's draft vocabulary when
+    it has one (`model.draft_vocab`). Drafts only propose (the target's verify decides every
+    token), so neither can change the output; both shrink the widest matmul of a draft step
+    (SmolLM2: 49152 x 576 in fp32)."""
 
     def __init__(self, model: DFlashDraftModel, target: HFTarget, head_dtype: torch.dtype = torch.bfloat16):
         c = model.config
@@ -48,7 +51,12 @@ class DFlashDrafter:
         self.model, self.target = model, target
         self.vocab = model.draft_vocab
         head = target.lm_head_weight.detach()
-        self.lm_head_weight = (head if self.vocab is None else head[self.vocab]).to(head_dtype).contiguous()
+        head = head if self.vocab is None else head[self.vocab]
+        self.lm_head_scale: torch.Tensor | None = None
+        if head_dtype == torch.int8:
+            self.lm_head_weight, self.lm_head_scale = quantize_rows(head)
+        else:
+            self.lm_head_weight = head.to(head_dtype).contiguous()
         self.layer_ids = c.target_layer_ids
         self.max_block_size = c.block_size
         self._rows: dict[int, int] = {}
@@ -74,7 +82,7 @@ class DFlashDrafter:
         block[:, 0] = anchors
         hidden = self.model(self.target.embed(block).reshape(-1, self.target.hidden_size), rows, block_size)
         hidden = hidden.view(len(reqs), block_size, -1)[:, 1:]
-        return self.model.logits(hidden, self.lm_head_weight)
+        return self.model.logits(hidden, self.lm_head_weight, self.lm_head_scale)
 
     def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int,
                 sampling: DraftSampling | None = None) -> torch.Tensor:
@@ -137,6 +145,22 @@ class DFlashDrafter:
     def finish(self, req: int) -> None:
         self._pending.pop(req, None)
         self.model.cache.release(self._rows.pop(req))
+
+
+def load_drafter(directory, target: HFTarget, draft_dtype: str = "bfloat16",
+                 device: torch.device | str = "cpu") -> DFlashDrafter:
+    """The DFlash drafter of checkpoint `directory` for `target`, its weights and its copy of the
+    LM head in `draft_dtype` (DRAFT_DTYPES): bfloat16, float32, or int8 (weight-only: int8 with a
+    scale per row for fc, the LM head and every projection but k_proj / v_proj, bf16 activations;
+    a draft step reads ~half the bytes of bf16). Drafts never change the output."""
+    if draft_dtype not in DRAFT_DTYPES:
+        raise ValueError(f"draft dtype {draft_dtype!r}: expected one of {', '.join(DRAFT_DTYPES)}")
+    quantized = draft_dtype == "int8"
+    model = load_draft(directory, dtype=torch.bfloat16 if quantized else getattr(torch, draft_dtype), device=device)
+    if quantized:
+        model.quantize_weights()
+        return DFlashDrafter(model, target, head_dtype=torch.int8)
+    return DFlashDrafter(model, target, head_dtype=torch.bfloat16)
 
 
 class NoDrafter:

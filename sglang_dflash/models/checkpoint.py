@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from sglang_dflash.models.config import DFlashConfig
 from sglang_dflash.models.draft import DFlashDraftModel
+from sglang_dflash.models.skinny import Int8Linear
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -117,6 +118,9 @@ def save_draft_vocab(directory: str | Path, token_ids: torch.Tensor, vocab_size:
 
 def save_draft(model: DFlashDraftModel, directory: str | Path, dtype: torch.dtype | None = None) -> None:
     """Write `config.json` and a single `model.safetensors` (z-lab names)."""
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise ValueError("save_draft: this model has int8 weights (quantize_weights, for inference only); "
+                         "save the float model it was quantized from")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")

@@ -22,7 +22,7 @@ from torch import nn
 
 from sglang_dflash.models.config import DFlashConfig
 from sglang_dflash.models.context_cache import ContextCache
-from sglang_dflash.models.skinny import SkinnyLinear, linear
+from sglang_dflash.models.skinny import Int8Linear, SkinnyLinear, linear
 from sglang_dflash.ops import block_attention, cpu_kernel_applies, materialize_context_kv, rms_norm_rope
 
 
@@ -148,6 +148,25 @@ class DFlashDraftModel(nn.Module):
         self._kv_projections: dict[int, tuple] = {}  # _kv_projection()'s, per attention module
         self.draft_vocab: torch.Tensor | None = None  # token ids drafts may take (None: all); see checkpoint.py
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype activations, the context cache and the float weights have (an int8 model's
+        quantized weights are int8)."""
+        return self.norm.weight.dtype
+
+    def quantize_weights(self) -> int:
+        """Weight-only int8 (`Int8Linear`, one scale per row) for fc and every projection except
+        k_proj / v_proj, which `materialize_context_kv` reads in the model's dtype (1.3 MB in bf16
+        for SmolLM2's drafter, of 24); inference only. Returns how many layers it converted."""
+        converted = 0
+        for parent in [self, *self.layers, *(layer.self_attn for layer in self.layers),
+                       *(layer.mlp for layer in self.layers)]:
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and name not in ("k_proj", "v_proj"):
+                    setattr(parent, name, Int8Linear(child))
+                    converted += 1
+        return converted
+
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
         return Rotary(self, positions, dtype)
 
@@ -165,9 +184,8 @@ class DFlashDraftModel(nn.Module):
     def allocate_cache(self, num_slots: int, max_requests: int, max_context: int) -> ContextCache:
         """Create (replacing any previous one) the paged context cache this model attends over."""
         c = self.config
-        p = self.fc.weight
         self.cache = ContextCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, num_slots,
-                                  max_requests, max_context, p.dtype, p.device)
+                                  max_requests, max_context, self.dtype, self.norm.weight.device)
         return self.cache
 
     @torch.no_grad()
@@ -178,7 +196,7 @@ class DFlashDraftModel(nn.Module):
             raise ValueError(f"target_hidden has shape {tuple(target_hidden.shape)}, expected "
                              f"({sum(counts)}, {self.fc.in_features})")
         slots, positions = self.cache.extend(reqs, counts)
-        ctx = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        ctx = self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
         attns = [layer.self_attn for layer in self.layers]
         rotary = self.rotary(positions, ctx.dtype)
         if _kernel_applies("materialize_context_kv", ctx):
@@ -212,7 +230,7 @@ class DFlashDraftModel(nn.Module):
         cache = self.cache
         ctx_lens = cache.ctx_lens[reqs]
         positions = (ctx_lens[:, None] + torch.arange(block_size, device=reqs.device)).reshape(-1)
-        h = block_embeds.to(self.fc.weight.dtype)
+        h = block_embeds.to(self.dtype)
         rotary = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             def attend(q, k, v, i=i):
@@ -223,9 +241,12 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, rotary, attend)
         return self.norm(h)
 
-    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Draft logits through the target's LM head, with the checkpoint's output scaling."""
-        logits = linear(hidden.to(lm_head_weight.dtype), lm_head_weight)
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+               lm_head_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft logits through the target's LM head (int8 with its row scales when lm_head_scale
+        is given), with the checkpoint's output scaling."""
+        dtype = self.dtype if lm_head_scale is not None else lm_head_weight.dtype
+        logits = linear(hidden.to(dtype), lm_head_weight, None, lm_head_scale)
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -4,6 +4,10 @@ A decode step feeds 1 row per request through every projection and a verify step
 the kernel reads each weight once instead of BLAS packing it, and it is batch invariant, so a
 verify pass computes in its linear layers bit for bit what plain decoding computes token by
 token. Larger inputs (prefill, training), other devices and autograd keep torch's own linear.
+
+`Int8Linear` holds its weight in int8 with one scale per row (weight-only quantization): a step
+that is bound by reading weights reads half the bytes of bf16. Only drafts use it (a draft never
+changes the output, only how often it is accepted).
 """
 
 from __future__ import annotations
@@ -25,33 +29,70 @@ def _few_enough_rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.float16 or x.numel() <= MAX_ROWS * x.shape[-1]
 
 
-def skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether `skinny_linear(x, weight, bias)` may replace F.linear: few rows (any number in
-    fp16) on the CPU, one dtype, a weight with contiguous rows, nothing that needs autograd, and a
-    kernel that passed its self-test (else F.linear, not the slow float64 reference)."""
-    return (x.device.type == "cpu" and _few_enough_rows(x) and x.dtype == weight.dtype
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   weight_scale: torch.Tensor | None = None) -> bool:
+    """Whether `skinny_linear(x, weight, bias, weight_scale)` may replace F.linear: few rows (any
+    number in fp16 or with an int8 weight) on the CPU, one float dtype (or an int8 weight with its
+    scales), a weight with contiguous rows, nothing that needs autograd, and a kernel that passed
+    its self-test (else F.linear, not the slow float64 reference)."""
+    quantized = weight_scale is not None
+    return (x.device.type == "cpu" and (quantized or _few_enough_rows(x))
+            and weight.dtype == (torch.int8 if quantized else x.dtype)
             and weight.dim() == 2 and weight.stride(-1) == 1 and weight.device.type == "cpu"
             and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and runs_ours("skinny_linear", "cpu"))
 
 
-def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """skinny_linear, CHUNK_ROWS rows of x at a time: the kernel keeps x (in fp32) in cache while
     it streams the weight, which only holds for a bounded number of rows (an fp16 prefill)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows <= CHUNK_ROWS:
-        return skinny_linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, weight_scale)
     flat = x.reshape(rows, x.shape[-1])
-    out = torch.cat([skinny_linear(chunk, weight, bias) for chunk in flat.split(CHUNK_ROWS)])
+    out = torch.cat([skinny_linear(chunk, weight, bias, weight_scale) for chunk in flat.split(CHUNK_ROWS)])
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through skinny_linear where that is faster and allowed."""
-    if skinny_applies(x, weight, bias):
-        return skinny(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through skinny_linear where that is faster and allowed; an int8 weight with its
+    row scales elsewhere is dequantized for F.linear."""
+    if skinny_applies(x, weight, bias, weight_scale):
+        return skinny(x, weight, bias, weight_scale)
+    if weight_scale is not None:
+        weight = (weight.float() * weight_scale[:, None]).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: scale = max |row| / 127 (1 for an all-zero row), q = round(row / scale).
+    Returns (int8 [N, K], float32 [N]); q * scale is within scale / 2 of every weight."""
+    w = weight.detach().float()
+    if w.dim() != 2 or not bool(torch.isfinite(w).all()):
+        raise ValueError(f"quantize_rows: needs a finite 2-D weight, got shape {tuple(w.shape)}")
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with an int8 weight and one fp32 scale per output row (`quantize_rows`), bias
+    and activations in a float dtype; inference only. On the CPU every input takes skinny_linear
+    (torch has no int8-weight GEMM for float inputs), elsewhere the weight is dequantized."""
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        weight, scale = quantize_rows(layer.weight)
+        self.register_buffer("weight", weight.to(layer.weight.device))
+        self.register_buffer("weight_scale", scale.to(layer.weight.device))
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class SkinnyLinear(nn.Linear):

@@ -248,18 +248,21 @@ def gumbel_argmax(scores: torch.Tensor, ids: torch.Tensor | None, seed: int, off
     return _impl("gumbel_argmax", scores.device)(scores, ids, int(seed), offsets, rows)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` on the CPU for inputs of few rows (decode and verify steps), reading
     the weight once; fp32 accumulation, output in x's dtype.
 
-    x [..., K], weight [N, K] (last dim contiguous), bias [N] or None, all of one float dtype.
-    Each output row is bitwise independent of the other rows of x (batch invariant), so verifying
-    B tokens computes exactly what decoding them one at a time computes. Returns [..., N].
+    x [..., K], weight [N, K] (last dim contiguous), bias [N] or None, all of one float dtype; or
+    an int8 weight (weight-only quantization, `quantize_rows`) with weight_scale float32 [N]: then
+    output column n is weight_scale[n] * (x @ weight[n]) + bias[n], reading a quarter of the fp32
+    bytes. Each output row is bitwise independent of the other rows of x (batch invariant), so
+    verifying B tokens computes exactly what decoding them one at a time computes. Returns [..., N].
     """
     if x.device.type not in ("cpu", "meta"):  # no kernel is registered for other devices
         raise ValueError(f"sglang_dflash.skinny_linear: is a CPU kernel; x is on {x.device} "
                          "(use torch.nn.functional.linear there)")
-    return _impl("skinny_linear", x.device)(x, weight, bias)
+    return _impl("skinny_linear", x.device)(x, weight, bias, weight_scale)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor | None = None,

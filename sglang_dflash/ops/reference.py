@@ -247,10 +247,14 @@ def gumbel_argmax(scores: torch.Tensor, ids: torch.Tensor | None, seed: int, off
     return out
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, computed in float64 and rounded once to x's dtype (the kernel
-    accumulates in fp32, so it agrees to fp32 rounding of a K-term sum)."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (times weight_scale per output column for an int8 weight) + bias, computed in
+    float64 and rounded once to x's dtype (the kernel accumulates in fp32, so it agrees to fp32
+    rounding of a K-term sum)."""
     out = x.double() @ weight.double().T
+    if weight_scale is not None:
+        out = out * weight_scale.double()
     if bias is not None:
         out = out + bias.double()
     return out.to(x.dtype)

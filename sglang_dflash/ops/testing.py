@@ -9,17 +9,18 @@ from sglang_dflash.ops import reference
 
 
 def skinny_linear_error_ratio(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                              bias: torch.Tensor | None) -> torch.Tensor:
+                              bias: torch.Tensor | None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """|out - exact| per element over what skinny_linear's arithmetic allows (<= 1: within it). It
-    converts x, weight and bias to fp32 (exactly) and sums the k products and the bias in fp32, in
-    some order: an error of at most ~(k + 1) * 2^-24 * (sum |x||w| + |b|), doubled here to cover the
-    second-order terms; then it rounds once to out's dtype: half an ulp, eps / 2 * |value|, or half
-    the subnormal spacing."""
-    xd, wd, bd = (None if t is None else t.double() for t in (x, weight, bias))
-    exact = reference.skinny_linear(xd, wd, bd)  # float64: exact products, sums to ~2^-53
-    mass = xd.abs() @ wd.abs().T + (0 if bias is None else bd.abs())
+    converts x, weight and bias to fp32 (exactly) and sums the k products in fp32, in some order,
+    then multiplies by an int8 weight's row scale and adds the bias: an error of at most
+    ~(k + 2) * 2^-24 * (scale * sum |x||w| + |b|), doubled here to cover the second-order terms;
+    then it rounds once to out's dtype: half an ulp, eps / 2 * |value|, or half the subnormal
+    spacing."""
+    xd, wd, bd, sd = (None if t is None else t.double() for t in (x, weight, bias, weight_scale))
+    exact = reference.skinny_linear(xd, wd, bd, sd)  # float64: exact products, sums to ~2^-53
+    mass = (xd.abs() @ wd.abs().T) * (1 if sd is None else sd) + (0 if bias is None else bd.abs())
     fin = torch.finfo(out.dtype)
-    bound = fin.eps / 2 * (exact.abs() + fin.smallest_normal) + 2 * (x.shape[-1] + 1) * 2.0**-24 * mass
+    bound = fin.eps / 2 * (exact.abs() + fin.smallest_normal) + 2 * (x.shape[-1] + 2) * 2.0**-24 * mass
     return (out.double() - exact).abs() / bound
 
 

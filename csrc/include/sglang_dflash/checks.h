@@ -77,10 +77,12 @@ struct LinearShape {
   int64_t in;    // K = weight.size(1) = x.size(-1)
 };
 
-// skinny_linear: x [..., K] and weight [N, K] (and bias [N]) of one float dtype on one device
-// (only CPU and Meta kernels exist; the Python API refuses other devices by name).
+// skinny_linear: x [..., K] and weight [N, K] (and bias [N]) of one float dtype on one device, or
+// an int8 weight with weight_scale float32 [N] (only CPU and Meta kernels exist; the Python API
+// refuses other devices by name).
 LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weight,
-                                     const std::optional<at::Tensor>& bias);
+                                     const std::optional<at::Tensor>& bias,
+                                     const std::optional<at::Tensor>& weight_scale);
 
 struct ContextKvShape {
   int64_t rows;           // N
