@@ -18,7 +18,7 @@ a line).
     python bench/bench_e2e.py [--draft DIR|NAME] [--target smollm2-135m] [--datasets gsm8k humaneval]
         [--samples 8] [--block-sizes 4 8 16] [--adaptive 8] [--tree-budgets 4 8 16 [--tree-topk 4]]
         [--temperatures 0 1] [--max-new-tokens 128]
-        [--draft-dtype bfloat16|float32|int8] [--out PATH]
+        [--draft-dtype auto|bfloat16|float32|int8] [--out PATH]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import DRAFT_DTYPES, SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine import HFTarget, SamplingParams, load_drafter
 from sglang_dflash.engine.compare import compare
+from sglang_dflash.engine.drafters import resolve_draft_dtype
 from sglang_dflash.engine.packaged import model_dir
 from sglang_dflash.models import DFlashConfig
 from sglang_dflash.train.code_prompts import complete_function_prompt
@@ -277,7 +278,7 @@ def main() -> None:
                              "each of these many nodes")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="bfloat16",
+    parser.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                         help="dtype the draft model runs in (its drafts never change the output)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -340,7 +341,8 @@ def main() -> None:
     out = args.out or ROOT / "bench" / "results" / f"e2e_{Path(args.target).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(provenance=info, target=args.target, draft=str(args.draft),
-                                   draft_dtype=args.draft_dtype, max_new_tokens=args.max_new_tokens, cases=rows,
+                                   draft_dtype=resolve_draft_dtype(args.draft_dtype, "cpu"),
+                                   max_new_tokens=args.max_new_tokens, cases=rows,
                                    adaptive_against_fixed=summary, tree_against_chain=trees),
                               indent=2))
     for path in [out, *plot(rows, out.with_suffix(""))]:

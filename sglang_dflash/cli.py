@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "best tokens at each of the B - 1 positions, grown best first; 0: a chain); with --adaptive, "
                         "each step a chain of up to B or a tree of N, N/2 or N/4, whichever is expected to be fastest")
     g.add_argument("--tree-topk", type=int, default=4, metavar="K", help="choices per position of a tree (default 4)")
-    g.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="bfloat16",
-                   help="dtype the draft model runs in (default bfloat16; int8: int8 weights with a scale per row, "
-                        "bf16 activations, half the bytes a CPU draft step reads; drafts never change the output)")
+    g.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
+                   help="dtype the draft model runs in (int8: int8 weights with a scale per row, bf16 activations, "
+                        "half the bytes a CPU draft step reads; default auto: int8 on CPU, else bfloat16; drafts "
+                        "never change the output)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -36,8 +36,8 @@ def run_demo(target_name: str, draft_name: str, block_size: int | None, max_new_
     def new_target():
         return HFTarget.from_pretrained(target_name, device=device)
 
-    def new_drafter(target):  # bf16 draft: half the bytes per draft step; drafts never change the output
-        return load_drafter(draft_dir, target, "bfloat16", device=device)
+    def new_drafter(target):  # int8 weights on CPU, bf16 elsewhere; drafts never change the output
+        return load_drafter(draft_dir, target, "auto", device=device)
 
     block_size = block_size or min(DEMO_BLOCK_SIZE, DFlashConfig.from_file(draft_dir / "config.json").block_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)

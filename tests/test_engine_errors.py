@@ -28,7 +28,7 @@ def test_drafter_target_mismatch(target):
 
 
 def test_unknown_draft_dtype_names_the_choices(target, tmp_path):
-    with pytest.raises(ValueError, match="draft dtype 'int4': expected one of bfloat16, float32, int8"):
+    with pytest.raises(ValueError, match="draft dtype 'int4': expected one of auto, bfloat16, float32, int8"):
         load_drafter(tmp_path, target, "int4")
 
 

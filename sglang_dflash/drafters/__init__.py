@@ -7,8 +7,9 @@ from pathlib import Path
 
 SHIPPED_DRAFTER = "smollm2-135m-dflash-b8"  # for the packaged smollm2-135m target
 SHIPPED_DRAFTERS = {SHIPPED_DRAFTER: Path(__file__).parent / SHIPPED_DRAFTER}
-# What a drafter's weights may run in (engine.load_drafter): int8 is weight-only (bf16 activations).
-DRAFT_DTYPES = ("bfloat16", "float32", "int8")
+# What a drafter's weights may run in (engine.load_drafter): int8 is weight-only (bf16 activations);
+# auto is int8 on the CPU and bfloat16 elsewhere.
+DRAFT_DTYPES = ("auto", "bfloat16", "float32", "int8")
 
 
 def resolve_draft(name_or_dir: str | Path) -> Path:
