@@ -17,6 +17,8 @@ against 24.8 in another.) The configurations:
   dflash-fixed[-bN]  the same with SGLANG_DFLASH_ADAPTIVE=0: every step at that one block size
   dflash...-treeN  any of these with SGLANG_DFLASH_TREE_BUDGET=N: decode steps may verify a draft
                  tree of N nodes (fixed: every eligible step; adaptive: chain or tree as it expects)
+  dflash...-floatdraft  any of these with SGLANG_DFLASH_DRAFT_INT8=0: the drafter's weights in the
+                 model's dtype instead of int8
 
 The requests are the first --samples prompts of HumanEval, GSM8K test and MT-Bench in the
 target's chat template, streamed from /generate at every temperature and at every concurrency
@@ -85,12 +87,15 @@ def server_config(name: str, draft: Path) -> ServerConfig:
         return ServerConfig(name, None, env={"SGLANG_DFLASH_DISABLE": "1"})
     if name == "plain-plugin":
         return ServerConfig(name, None)
-    match = re.fullmatch(r"dflash(-fixed)?(?:-b(\d+))?(?:-tree(\d+))?", name)
+    match = re.fullmatch(r"dflash(-fixed)?(?:-b(\d+))?(?:-tree(\d+))?(-floatdraft)?", name)
     if match is None:
-        raise SystemExit(f"unknown server configuration {name!r}: plain, plain-plugin, dflash[-fixed][-bN][-treeN]")
+        raise SystemExit(f"unknown server configuration {name!r}: plain, plain-plugin, "
+                         "dflash[-fixed][-bN][-treeN][-floatdraft]")
     env = {"SGLANG_DFLASH_ADAPTIVE": "0"} if match[1] else {}
     if match[3]:
         env["SGLANG_DFLASH_TREE_BUDGET"] = match[3]
+    if match[4]:
+        env["SGLANG_DFLASH_DRAFT_INT8"] = "0"
     return ServerConfig(name, draft, ("--speculative-dflash-block-size", match[2]) if match[2] else (), env=env)
 
 
@@ -478,7 +483,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", type=Path, help=f"HF model directory (default: the packaged {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=SHIPPED_DRAFTER, help="DFlash checkpoint directory or shipped drafter name")
     parser.add_argument("--servers", nargs="+", default=["plain", "dflash"],
-                        help="plain, plain-plugin, dflash, dflash-bN, dflash-fixed[-bN][-treeN]; all run side by side")
+                        help="plain, plain-plugin, dflash, dflash-bN, dflash-fixed[-bN][-treeN][-floatdraft]; all run "
+                             "side by side")
     parser.add_argument("--server-args", default="", help='extra server arguments, e.g. "--dtype float32"')
     parser.add_argument("--datasets", nargs="+", default=DATASETS)
     parser.add_argument("--samples", type=int, default=2, help="prompts per dataset")

@@ -98,6 +98,9 @@ def test_server_configurations():
     assert trees.extra == ("--speculative-dflash-block-size", "8")
     assert trees.env == {"SGLANG_DFLASH_ADAPTIVE": "0", "SGLANG_DFLASH_TREE_BUDGET": "7"}
     assert bs.server_config("dflash-tree7", draft).env == {"SGLANG_DFLASH_TREE_BUDGET": "7"}
+    assert bs.server_config("dflash-floatdraft", draft).env == {"SGLANG_DFLASH_DRAFT_INT8": "0"}
+    assert bs.server_config("dflash-fixed-b4-floatdraft", draft).env == {"SGLANG_DFLASH_ADAPTIVE": "0",
+                                                                         "SGLANG_DFLASH_DRAFT_INT8": "0"}
     with pytest.raises(SystemExit):
         bs.server_config("eagle", draft)
 

@@ -200,6 +200,8 @@ def test_the_served_drafter_uses_our_kernels_and_its_draft_vocabulary(runs):
     assert "sglang-dflash: drafts take the 16384 ids of" in log
     assert "sglang-dflash: draft context K/V of 3 layers through materialize_context_kv" in log
     assert "sglang-dflash: 3 draft attention layers run block_attention in TARGET_VERIFY" in log
+    # fused qkv, o, fused gate/up and down of 3 layers, and fc (draft_int8.py)
+    assert "sglang-dflash: 13 draft linear layers and the draft LM head run int8 weights" in log
     assert re.search(r"sglang-dflash: [1-9]\d* draft RMSNorms and the q/k norm \+ RoPE of 3 draft attentions run "
                      r"rms_norm_rope", log)
     # The stand-in sgl_kernel, like the PyPI wheel, has no torch.ops.sgl_kernel CPU ops: ours serve.

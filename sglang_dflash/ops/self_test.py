@@ -204,17 +204,22 @@ def _materialize_context_kv(device: torch.device, case: ContextKV) -> str | None
 
 
 def _skinny_linear(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Within the kernel's rounding bound (ops/testing.py, as tests/test_ops_skinny_linear.py)."""
+    """Within the kernel's rounding bound (ops/testing.py, as tests/test_ops_skinny_linear.py), with
+    a weight of x's dtype and with an int8 weight and its row scales (the CPU drafter's)."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 300, generator=gen).to(dtype)
     weight = torch.randn(129, 300, generator=gen).to(dtype)
     bias = torch.randn(129, generator=gen).to(dtype)
-    got = _kernel("skinny_linear")(x.to(device), weight.to(device), bias.to(device)).cpu()
-    if (problem := _layout(got, reference.skinny_linear(x, weight, bias))) is not None:
-        return problem
-    ratio = skinny_linear_error_ratio(got, x, weight, bias)
-    if not bool((ratio <= 1).all()):
-        return f"error up to {float(ratio.nan_to_num(float('inf')).max()):.3g}x the rounding bound"
+    int8 = torch.randint(-127, 128, (129, 300), generator=gen, dtype=torch.int8)
+    scale = torch.rand(129, generator=gen) / 64
+    for name, w, s in (("", weight, None), ("int8 weight: ", int8, scale)):
+        got = _kernel("skinny_linear")(x.to(device), w.to(device), bias.to(device),
+                                       None if s is None else s.to(device)).cpu()
+        if (problem := _layout(got, reference.skinny_linear(x, w, bias, s))) is not None:
+            return name + problem
+        ratio = skinny_linear_error_ratio(got, x, w, bias, s)
+        if not bool((ratio <= 1).all()):
+            return f"{name}error up to {float(ratio.nan_to_num(float('inf')).max()):.3g}x the rounding bound"
     return None
 
 

@@ -21,7 +21,8 @@ other device to SGLang:
 6. Batch-invariant decoding, on every CPU server with the plugin installed, plain decoding
    included (`SGLANG_DFLASH_BATCH_INVARIANT=0` turns it off):
    - linear layers and the LM head fed with few rows (every decode and verify step) run our
-     `skinny_linear` instead of `F.linear` / `torch.matmul`: each weight read once, fp32
+     `skinny_linear` instead of `F.linear` / `torch.matmul` (the drafter's layers over their int8
+     copies, `draft_int8.py`, where they have them): each weight read once, fp32
      accumulation, and each row's result bitwise independent of the other rows. fp32 and bf16
      inputs of more than 16 rows (prefill) keep torch's GEMM; fp16 ones always take the kernel,
      since torch's fp16 GEMM is slower on these CPUs at every row count (`models/skinny.py`);
@@ -186,10 +187,15 @@ def _dense_weight(layer):
 
 def _unquantized_linear_around(original, method, layer, x, bias=None, *args, **kwargs):
     from sglang_dflash.models.skinny import skinny, skinny_applies
+    from sglang_dflash.sglang.draft_int8 import int8_weight
 
-    weight = _dense_weight(layer)
-    if not args and not kwargs and weight is not None and skinny_applies(x, weight, bias):
-        return skinny(x, weight, bias)
+    if not args and not kwargs:
+        quantized = int8_weight(layer)  # the drafter's layers, in int8 (draft_int8.py)
+        if quantized is not None and skinny_applies(x, quantized[0], bias, quantized[1]):
+            return skinny(x, quantized[0], bias, quantized[1])
+        weight = _dense_weight(layer)
+        if weight is not None and skinny_applies(x, weight, bias):
+            return skinny(x, weight, bias)
     return original(method, layer, x, bias, *args, **kwargs)
 
 

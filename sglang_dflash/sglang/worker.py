@@ -187,7 +187,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
         """Self-tests each op this worker would run on `device` (ops/self_test.py) and switches on
         those that pass; the rest keep SGLang's own path. Returns the ops that run ours."""
         from sglang_dflash.ops import self_test
-        from sglang_dflash.sglang import attention, draft_norms
+        from sglang_dflash.sglang import attention, draft_int8, draft_norms
         from sglang_dflash.sglang.context_kv import ContextKVWriter
 
         plan = {}
@@ -211,6 +211,12 @@ class DFlashKernelWorker(DFlashWorkerV2):
         if "block_attention" in ours:
             n_layers = attention.install_draft_attention(self)
             logger.info("sglang-dflash: %d draft attention layers run block_attention in TARGET_VERIFY", n_layers)
+        if "skinny_linear" in ours and draft_int8.int8_wanted(device):
+            self._draft_int8 = True
+            self._draft_head = None  # cut again, in int8
+            logger.info("sglang-dflash: %d draft linear layers and the draft LM head run int8 weights (%s=0: "
+                        "the model's dtype)", draft_int8.quantize_draft_linears(self.draft_model),
+                        draft_int8.ENV_DRAFT_INT8)
         self._context_kv = context_kv if "materialize_context_kv" in ours else None
         if self._context_kv is not None:
             logger.info("sglang-dflash: draft context K/V of %d layers through materialize_context_kv",
@@ -227,7 +233,8 @@ class DFlashKernelWorker(DFlashWorkerV2):
         vocab_size = int(self.model_runner.model_config.vocab_size)
         self._draft_vocab = read_draft_vocab(path, vocab_size, self.device) if path and os.path.isdir(path) else None
         self._draft_vocab_end = 0 if self._draft_vocab is None else int(self._draft_vocab.max()) + 1
-        self._draft_head: tuple | None = None  # (key of the LM head weight it was cut from, rows)
+        self._draft_head: tuple | None = None  # (key of the LM head weight it was cut from, rows, row scales)
+        self._draft_int8 = False  # the draft head rows (and the draft layers) in int8: draft_int8.py
         if self._draft_vocab is not None:
             logger.info("sglang-dflash: drafts take the %d ids of %s/draft_vocab.safetensors (vocabulary %d)",
                         self._draft_vocab.numel(), path, vocab_size)
@@ -399,31 +406,34 @@ class DFlashKernelWorker(DFlashWorkerV2):
     def _greedy_sample_from_vocab_parallel_head(self, *, hidden_states, lm_head, chunk_size: int = 256):
         if self._trees is not None and self._trees.drafting:
             return self._trees.draft(hidden_states, lambda hidden: self._draft_logits(hidden, lm_head))
-        rows = self._draft_head_rows(lm_head)
-        if rows is None or hidden_states.numel() == 0:
+        head = self._draft_head_rows(lm_head)
+        if head is None or hidden_states.numel() == 0:
             return super()._greedy_sample_from_vocab_parallel_head(
                 hidden_states=hidden_states, lm_head=lm_head, chunk_size=chunk_size
             )
-        from sglang_dflash.models.skinny import linear
-
-        logits = linear(hidden_states.to(rows.dtype), rows)
-        return self._draft_vocab[logits.max(-1).indices]
+        logits, ids = self._draft_logits(hidden_states, lm_head)
+        return ids[logits.max(-1).indices]
 
     def _draft_logits(self, hidden_states, lm_head) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft head's logits for `hidden_states` and the target id of each column (None:
         the column is the id): over the draft vocabulary where there is one, else the whole head."""
         from sglang_dflash.models.skinny import linear
 
-        rows = self._draft_head_rows(lm_head)
-        if rows is not None:
-            return linear(hidden_states.to(rows.dtype), rows), self._draft_vocab
+        head = self._draft_head_rows(lm_head)
+        if head is not None:
+            rows, scale = head
+            dtype = hidden_states.dtype if scale is not None else rows.dtype
+            return linear(hidden_states.to(dtype), rows, None, scale), self._draft_vocab
         weight = lm_head.weight[: int(self.model_runner.model_config.vocab_size)]
         return linear(hidden_states.to(weight.dtype), weight), None
 
-    def _draft_head_rows(self, lm_head) -> torch.Tensor | None:
+    def _draft_head_rows(self, lm_head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The target LM head's rows of the draft vocabulary (a contiguous copy, re-cut when the
-        weight changes), or None where the whole head must be used: no draft vocabulary, or a
-        head that is sharded (TP), quantized or too small for the ids."""
+        weight changes; int8 with its row scales when the drafter runs int8 weights, else scales
+        None), or None where the whole head must be used: no draft vocabulary, or a head that is
+        sharded (TP), quantized or too small for the ids."""
+        from sglang_dflash.models.skinny import quantize_rows
+
         weight = getattr(lm_head, "weight", None)
         if (
             self._draft_vocab is None
@@ -436,8 +446,9 @@ class DFlashKernelWorker(DFlashWorkerV2):
             return None
         key = (weight.data_ptr(), weight._version, weight.dtype)
         if self._draft_head is None or self._draft_head[0] != key:
-            self._draft_head = (key, weight.detach()[self._draft_vocab].contiguous())
-        return self._draft_head[1]
+            rows = weight.detach()[self._draft_vocab].contiguous()
+            self._draft_head = (key, *(quantize_rows(rows) if self._draft_int8 else (rows, None)))
+        return self._draft_head[1:]
 
     def _tp_size(self) -> int:
         from sglang.srt.runtime_context import get_parallel
