@@ -107,6 +107,21 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def paired_median_times(fn, baseline, repeats: int) -> tuple[float, float]:
+    """Median times of fn and baseline, called in turns, so a drift of the machine (its memory
+    bandwidth moves by tens of % within minutes) falls on both alike."""
+    for _ in range(3):
+        fn()
+        baseline()
+    times, baseline_times = [], []
+    for _ in range(repeats):
+        for f, out in ((fn, times), (baseline, baseline_times)):
+            start = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - start)
+    return statistics.median(times), statistics.median(baseline_times)
+
+
 def bench_attention(shape, repeats):
     """shape: (bs, B, Hq, Hkv, D, ctx, dtype[, "causal" | "tree"]); non-causal without the mode."""
     bs, block, hq, hkv, d, ctx, dtype, *mode = shape
@@ -163,13 +178,13 @@ def bench_skinny_linear(shape, repeats):
     if dtype == torch.int8:  # against the same kernel on the bf16 weight
         quantized = [quantize_rows(w) for w in weights]
         bf16 = [w.bfloat16() for w in weights]
-        kernel = median_time(lambda: [ops.skinny_linear(x, q, None, s) for q, s in quantized], repeats)
-        base = median_time(lambda: [ops.skinny_linear(x, w) for w in bf16], repeats)
+        kernel, base = paired_median_times(lambda: [ops.skinny_linear(x, q, None, s) for q, s in quantized],
+                                           lambda: [ops.skinny_linear(x, w) for w in bf16], repeats)
         baseline, weight_bytes = "skinny_linear bf16", n * (k + 4)
     else:
         weights = [w.to(dtype) for w in weights]
-        kernel = median_time(lambda: [ops.skinny_linear(x, w) for w in weights], repeats)
-        base = median_time(lambda: [torch.nn.functional.linear(x, w) for w in weights], repeats)
+        kernel, base = paired_median_times(lambda: [ops.skinny_linear(x, w) for w in weights],
+                                           lambda: [torch.nn.functional.linear(x, w) for w in weights], repeats)
         baseline, weight_bytes = "F.linear", n * k * x.element_size()
     gbps = copies * (weight_bytes + rows * k * x.element_size()) / kernel / 1e9  # weights + x, read once per copy
     return dict(op="skinny_linear", rows=rows, N=n, K=k, copies=copies, dtype=str(dtype).removeprefix("torch."),
