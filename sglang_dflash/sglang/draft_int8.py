@@ -51,7 +51,8 @@ def quantize_draft_linears(draft_model: nn.Module) -> int:
     from sglang_dflash.models.skinny import Int8Linear, quantize_rows
 
     converted = 0
-    for module in draft_model.layers.modules():
+    layers = getattr(draft_model, "layers", None) or ()
+    for module in (m for layer in layers if isinstance(layer, nn.Module) for m in layer.modules()):
         weight = getattr(module, "weight", None)
         if (isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
                 and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in _FLOATS

@@ -212,11 +212,15 @@ class DFlashKernelWorker(DFlashWorkerV2):
             n_layers = attention.install_draft_attention(self)
             logger.info("sglang-dflash: %d draft attention layers run block_attention in TARGET_VERIFY", n_layers)
         if "skinny_linear" in ours and draft_int8.int8_wanted(device):
-            self._draft_int8 = True
-            self._draft_head = None  # cut again, in int8
-            logger.info("sglang-dflash: %d draft linear layers and the draft LM head run int8 weights (%s=0: "
-                        "the model's dtype)", draft_int8.quantize_draft_linears(self.draft_model),
-                        draft_int8.ENV_DRAFT_INT8)
+            try:
+                converted = draft_int8.quantize_draft_linears(self.draft_model)
+            except Exception as e:  # a drafter this does not know: its weights stay as they are
+                logger.warning("sglang-dflash: the drafter keeps its weights' dtype (int8 failed: %r)", e)
+            else:
+                self._draft_int8 = True
+                self._draft_head = None  # cut again, in int8
+                logger.info("sglang-dflash: %d draft linear layers and the draft LM head run int8 weights (%s=0: "
+                            "the model's dtype)", converted, draft_int8.ENV_DRAFT_INT8)
         self._context_kv = context_kv if "materialize_context_kv" in ours else None
         if self._context_kv is not None:
             logger.info("sglang-dflash: draft context K/V of %d layers through materialize_context_kv",
