@@ -8,6 +8,7 @@ Skipped when SGLang is not installed."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -16,6 +17,10 @@ from torch import nn
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed (scripts/install_sglang_cpu.sh VENV installs it beside the package)",
                 allow_module_level=True)
+
+# SGLang picks its platform when first imported: the CPU one, as the other SGLang unit tests need
+# it (its RoPE, not vllm's), whichever test file imports SGLang first.
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod  # noqa: E402
 
