@@ -292,17 +292,11 @@ def bench_target_verify(shape, repeats):
         target.verify(tokens, positions)
         target.commit(keep_none)
 
-    def timed() -> float:
-        start = time.perf_counter()
-        step()
-        return time.perf_counter() - start
-
-    times, baseline_times = [], []
-    for _ in range(3 + repeats * 4):  # alternating, so a drift of the machine falls on both
-        times.append(timed())
+    def baseline_step():
         with per_layer_mask_path():
-            baseline_times.append(timed())
-    kernel, baseline = statistics.median(times[3:]), statistics.median(baseline_times[3:])
+            step()
+
+    kernel, baseline = paired_median_times(step, baseline_step, repeats * 4)
     weights = sum(p.nbytes for p in target.model.parameters())
     return dict(op="target_verify", B=block_size, ctx=context, dtype="float32", baseline="per-layer mask",
                 kernel_ms=kernel * 1e3, reference_ms=baseline * 1e3, ratio=baseline / kernel,

@@ -159,8 +159,7 @@ class DFlashDraftModel(nn.Module):
         k_proj / v_proj, which `materialize_context_kv` reads in the model's dtype (1.3 MB in bf16
         for SmolLM2's drafter, of 24); inference only. Returns how many layers it converted."""
         converted = 0
-        for parent in [self, *self.layers, *(layer.self_attn for layer in self.layers),
-                       *(layer.mlp for layer in self.layers)]:
+        for parent in list(self.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and name not in ("k_proj", "v_proj"):
                     setattr(parent, name, Int8Linear(child))

@@ -415,8 +415,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
             return super()._greedy_sample_from_vocab_parallel_head(
                 hidden_states=hidden_states, lm_head=lm_head, chunk_size=chunk_size
             )
-        logits, ids = self._draft_logits(hidden_states, lm_head)
-        return ids[logits.max(-1).indices]
+        return self._draft_vocab[self._draft_head_logits(hidden_states, *head).max(-1).indices]
 
     def _draft_logits(self, hidden_states, lm_head) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft head's logits for `hidden_states` and the target id of each column (None:
@@ -425,11 +424,17 @@ class DFlashKernelWorker(DFlashWorkerV2):
 
         head = self._draft_head_rows(lm_head)
         if head is not None:
-            rows, scale = head
-            dtype = hidden_states.dtype if scale is not None else rows.dtype
-            return linear(hidden_states.to(dtype), rows, None, scale), self._draft_vocab
+            return self._draft_head_logits(hidden_states, *head), self._draft_vocab
         weight = lm_head.weight[: int(self.model_runner.model_config.vocab_size)]
         return linear(hidden_states.to(weight.dtype), weight), None
+
+    @staticmethod
+    def _draft_head_logits(hidden_states, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """Logits over the draft vocabulary's head rows (`_draft_head_rows`): float rows take the
+        hidden states in their dtype, int8 rows (with their scales) in the hidden states' own."""
+        from sglang_dflash.models.skinny import linear
+
+        return linear(hidden_states if scale is not None else hidden_states.to(rows.dtype), rows, None, scale)
 
     def _draft_head_rows(self, lm_head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The target LM head's rows of the draft vocabulary (a contiguous copy, re-cut when the
