@@ -32,7 +32,8 @@ def _assert_close(out, x, w, b):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (1, 64, 576), (3, 33, 8), (4, 96, 100), (5, 7, 1536),
-                                      (8, 257, 576), (16, 130, 19), (37, 20, 64), (2, 9, 40)])
+                                      (6, 65, 200), (7, 31, 576), (8, 257, 576), (9, 12, 33), (11, 40, 576),
+                                      (12, 129, 96), (16, 130, 19), (37, 20, 64), (2, 9, 40)])
 def test_matches_reference(dtype, rows, n, k):
     for seed, bias in ((rows * 131 + n, True), (k, False)):
         x, w, b = _inputs(rows, n, k, dtype, seed, bias)
@@ -72,6 +73,8 @@ def test_each_row_is_bitwise_independent_of_the_others():
         full = ops.skinny_linear(x, w, b)
         for i in range(13):
             assert torch.equal(ops.skinny_linear(x[i:i + 1], w, b)[0], full[i])
+        for m in range(2, 13):  # every split of the rows into register tiles (6 + 6, 4 + 3, ...)
+            assert torch.equal(ops.skinny_linear(x[:m], w, b), full[:m])
         assert torch.equal(ops.skinny_linear(x[5:9], w, b), full[5:9])
 
 

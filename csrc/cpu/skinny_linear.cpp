@@ -39,19 +39,22 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kW = Vec::size();
 
 // Weight rows per tile (their dot products run side by side, each x vector loaded once for all)
-// and x rows per register tile, by weight type, so that Rows x Cols accumulators + Cols weight
-// vectors + an x vector fit in the 16 AVX2 registers. An int8 weight pays a conversion per
-// element: 4 weight rows give 1-2 x rows 4-8 independent FMA chains, which keeps that stream up
-// with memory; 2 x 2 chains left it latency bound at half of it (bench/bench_ops.py).
+// and at most this many x rows per register tile, by weight type, so that Rows x Cols accumulators
+// + Cols weight vectors + an x vector fit in the 16 AVX2 registers. An int8 weight pays a
+// conversion per element: 4 weight rows give 1-2 x rows 4-8 independent FMA chains, which keeps
+// that stream up with memory; 2 x 2 chains left it latency bound at half of it (bench/bench_ops.py).
+// A tile of fewer than 8 chains is bound by the FMA latency, so it takes as long as a full one:
+// float weights take up to 6 x rows a tile (12 chains), so a verify of 5 or 6 rows is one tile, not
+// a 4-row tile plus a latency-bound tile of 1 or 2 rows.
 template <typename W>
 struct Tile {
-  static constexpr int kCols = 2, kRows = 4;
+  static constexpr int kCols = 2, kRows = 6;
 };
 template <>
 struct Tile<int8_t> {
   static constexpr int kCols = 4, kRows = 2;
 };
-constexpr int kMaxRows = 4, kMaxCols = 4;
+constexpr int kMaxRows = 6, kMaxCols = 4;
 
 // The inner loop on raw registers where the ISA has them: with Vectorized<float> (its loadu keeps
 // a stack buffer for partial loads) GCC stores all 8 accumulators to the stack on every k
@@ -141,10 +144,15 @@ void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[Tile
                  const O* bias, int64_t N, O* out) {
   constexpr int C = Tile<W>::kCols, kRows = Tile<W>::kRows;
   float sums[kMaxRows][kMaxCols];
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const int64_t rows = std::min<int64_t>(kRows, M - m0);
+  // As few row tiles as kRows allows, their rows balanced (7 rows: 4 + 3, not 6 + 1): the tiles
+  // take turns on the weight rows in L1, and each is as slow as its latency-bound chains.
+  const int64_t tiles = (M + kRows - 1) / kRows;
+  for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+    const int64_t rows = M / tiles + (t < M % tiles ? 1 : 0);
     const float* xm = xf + m0 * K;
     switch (rows) {
+      case 6: if constexpr (kRows >= 6) dot_tile<6, C>(xm, K, w, pf, sums); break;
+      case 5: if constexpr (kRows >= 5) dot_tile<5, C>(xm, K, w, pf, sums); break;
       case 4: if constexpr (kRows >= 4) dot_tile<4, C>(xm, K, w, pf, sums); break;
       case 3: if constexpr (kRows >= 3) dot_tile<3, C>(xm, K, w, pf, sums); break;
       case 2: dot_tile<2, C>(xm, K, w, pf, sums); break;
@@ -158,6 +166,7 @@ void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[Tile
         out[(m0 + r) * N + n[c]] = static_cast<O>(sum);
       }
     }
+    m0 += rows;
   }
 }
 
