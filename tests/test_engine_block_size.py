@@ -230,7 +230,7 @@ def sim_seconds(block_size: int, batch_size: int) -> float:
 
 def convex_sim_seconds(block_size: int, batch_size: int) -> float:
     """As sim_seconds, but rows cost what bench_e2e's block sweep measured on this CPU at batch size
-    1: rows 3 and 4 +2.1 ms each, each row past skinny_linear's 4-row tile +2.9 ms."""
+    1: rows 3 and 4 +2.1 ms each, each row past 4 +2.9 ms (skinny_linear then tiled 4 rows)."""
     rows = 0.0021 * min(max(block_size - 2, 0), 2) + 0.0029 * max(block_size - 4, 0)
     return 0.036 * (1 + 0.15 * (batch_size - 1)) + 0.0065 * (block_size > 1) + rows * batch_size
 
