@@ -120,6 +120,27 @@ def test_without_tree_budgets_it_is_the_chain_controller():
         b.observe(expected, [accepted_run([0.6] * 3, expected, rng_b)], 0.01 * expected)
 
 
+def test_a_trees_gain_is_paired_with_the_chain_inside_it():
+    """Tree steps on a hard stretch of text (nothing accepted) after the chains learned a high
+    acceptance: measured against the chain's expected tokens the 4-node tree looks like 0.3x its
+    chain (a few such first tries once buried a tree that won); measured against what the chain
+    inside each tree accepted on the same step, it is the chain's tokens (gain 1), and it rises
+    above them only by what its branches add."""
+    def after_tree_steps(steps):
+        c = ChainOrTreeController(BlockSizeController(8), [4])
+        for _ in range(30):
+            c.observe(8, 0, [7], 0.05)
+        for accepted, chain_accepted in steps:
+            c.observe(8, 4, [accepted], 0.05, None if chain_accepted is None else [chain_accepted])
+        return c.tree_tokens(4) / c._chain_tokens(4)
+
+    assert after_tree_steps([(0, None)] * 4) < 0.5
+    assert after_tree_steps([(0, 0)] * 4) == pytest.approx(1.0)
+    assert after_tree_steps([(2, 1)] * 20) == pytest.approx(1.5, rel=0.03)
+    with pytest.raises(ValueError, match="2 chain accept lengths for 1 requests"):
+        ChainOrTreeController(BlockSizeController(8), [4]).observe(8, 4, [0], 1.0, [0, 0])
+
+
 def test_budgets_and_bad_arguments():
     assert tree_budgets_up_to(16) == [4, 8, 16] and tree_budgets_up_to(5) == [2, 5] and tree_budgets_up_to(1) == [1]
     with pytest.raises(ValueError, match="tree budgets must be >= 1"):
@@ -134,9 +155,10 @@ class FreeRowsChainOrTree(ChainOrTreeController):
     """Fed modelled step times (the chains' too) in which a verified row costs almost nothing, so
     trees win and get played (in place of the wall clock, where on this CPU they rarely would)."""
 
-    def observe(self, block_size, tree_budget, accept_lens, seconds):
+    def observe(self, block_size, tree_budget, accept_lens, seconds, chain_accept_lens=None):
         rows = tree_budget + 1 if tree_budget else block_size
-        super().observe(block_size, tree_budget, accept_lens, 0.010 + 0.002 * (rows > 1) + 1e-5 * rows)
+        super().observe(block_size, tree_budget, accept_lens, 0.010 + 0.002 * (rows > 1) + 1e-5 * rows,
+                        chain_accept_lens)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

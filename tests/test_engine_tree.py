@@ -11,7 +11,7 @@ import torch
 
 from sglang_dflash.engine import DFlashDrafter, Generator, SamplingParams
 from sglang_dflash.engine.drafters import NoDrafter
-from sglang_dflash.engine.tree import MAX_TREE_BUDGET, MAX_TREE_TOPK, build_trees
+from sglang_dflash.engine.tree import MAX_TREE_BUDGET, MAX_TREE_TOPK, DraftTrees, build_trees, chain_accept_lens
 from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, tiny_target
 
 PROMPTS = [[3, 4, 5], list(range(10, 30)), [50, 60, 70, 80, 90, 11, 12], [5]]
@@ -57,6 +57,20 @@ def test_trees_are_the_best_paths_and_hold_the_chain(depth, k):
         assert path_scores == sorted(path_scores, reverse=True), "nodes come best first"
         deepest = max(len(p) for p in ranks.values())
         assert all((0,) * d in ranks.values() for d in range(1, deepest + 1)), "the chain to the tree's depth"
+
+
+def test_chain_accept_lens_follow_the_chain_inside_the_tree():
+    """The chain's node at each depth is the first one added there (nodes 1, 3, 6 below); its
+    accepted drafts are the committed path's prefix along it, whatever the path does after."""
+    #   0 -+- 1 -+- 3 --- 6        depth 1: 1 (chain), 2; depth 2: 3 (chain), 4, 5; depth 3: 6
+    #      |     +- 5
+    #      +- 2 --- 4
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 1, 3]] * 5)
+    depths = torch.tensor([[0, 1, 1, 2, 2, 2, 3]] * 5)
+    trees = DraftTrees(torch.arange(7).repeat(5, 1), parents, depths, [7] * 5)
+    path = torch.tensor([[0, 1, 3, 6], [0, 1, 5, 5], [0, 2, 4, 4], [0, 1, 3, 3], [0, 0, 0, 0]])
+    accept_len = torch.tensor([3, 2, 2, 2, 0])
+    assert chain_accept_lens(trees, path, accept_len) == [3, 1, 0, 2, 0]
 
 
 def test_ancestors_are_the_paths_to_the_root():
