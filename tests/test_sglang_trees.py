@@ -191,6 +191,19 @@ def test_draft_builds_the_trees_and_their_positions_and_the_context_follows_the_
             assert torch.equal(context[b * (n + 1) + j], hidden_states[b * (n + 1) + int(served.path[b, j])])
             assert int(positions[b * (n + 1) + j]) == int(prefix[b]) + j
 
+    # The chain of first choices inside each tree (the drafted top picks, each the child of the one
+    # before), checked on its own against the target's tokens: what it would have had accepted.
+    top = ids[picks[:, 0]].view(bs, n)
+    for b, chain_accepted in enumerate(served.chain_accept_lens(accept_len.tolist())):
+        node, expected = 0, 0
+        while expected < n:
+            child = [i for i in range(1, n + 1) if int(built.parents[b, i]) == node
+                     and int(built.tokens[b, i]) == int(top[b, expected])]
+            if not child or int(target[b, node]) != int(tokens[b, child[0]]):
+                break
+            node, expected = child[0], expected + 1
+        assert chain_accepted == expected <= int(accept_len[b])
+
     reqs = [types.SimpleNamespace(customized_info=None, output_ids=[1] * (b + 1)) for b in range(bs)]
     served.finish(reqs, [int(a) + 1 for a in accept_len])
     assert served.trees is None and served.path is None and not served.drafting and trees.verify_parents() is None

@@ -11,12 +11,12 @@ step, and a 16-node tree runs slower than the best chain. So the controller esti
   expected tokens times the tree's gain over it: the gain changes slowly while the chain's
   acceptance follows the text, so every budget follows it between its own plays. Where the caller
   says how many drafts the chain inside each tree had accepted (`tree.chain_accept_lens`: the
-  engine), the gain is the decayed tokens the trees committed over the decayed tokens their chains
-  would have: paired on the same text, never below 1. (Its first version, a decayed mean of tokens
-  committed over the chain's expected tokens then, also carries how the text went: three tries of
-  a 4-node tree on the hard start of a HumanEval answer put its gain at 0.57, and the controller
-  never played it again where it made 1.03x the best chain.) Otherwise (the served worker) that
-  decayed mean, from 1 (the chain is in the tree).
+  engine and the served worker), the gain is the decayed tokens the trees committed over the
+  decayed tokens their chains would have: paired on the same text, never below 1. (Its first
+  version, a decayed mean of tokens committed over the chain's expected tokens then, also carries
+  how the text went: three tries of a 4-node tree on the hard start of a HumanEval answer put its
+  gain at 0.57, and the controller never played it again where it made 1.03x the best chain.)
+  Without them, that decayed mean, from 1 (the chain is in the tree).
   seconds(n) = the chains' modelled time at n + 1 rows (at most the largest chain: the model is not
   extrapolated past the sizes the chains play) times the budget's measured ratio to it (a tree
   of n drafts a block of min(n + 1, B), takes the top-k and verifies under a 4-D mask). A budget

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from sglang_dflash.engine.tree import MAX_TREE_TOPK, DraftTrees, build_trees
+from sglang_dflash.engine.tree import MAX_TREE_TOPK, DraftTrees, build_trees, chain_accept_lens
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,12 @@ class ServedTrees:
         self.path = path
         bonus = out.gather(1, accept_len.to(torch.int64)[:, None])[:, 0]
         return accept_len, bonus, out
+
+    def chain_accept_lens(self, accepted: list[int]) -> list[int]:
+        """After `accept`: how many drafts the chain of first choices inside each request's tree had
+        accepted (`tree.chain_accept_lens`), of the `accepted` the trees had; the adaptive
+        controller's measure of what a tree adds to its chain."""
+        return chain_accept_lens(self.trees, self.path, torch.tensor(accepted))
 
     def path_context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
         """The target hidden states [bs * N, H] and positions [bs * N] of each request's accepted
