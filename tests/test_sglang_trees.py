@@ -203,10 +203,12 @@ def test_draft_builds_the_trees_and_their_positions_and_the_context_follows_the_
                 break
             node, expected = child[0], expected + 1
         assert chain_accepted == expected <= int(accept_len[b])
+    assert served.chain_accept_lens([0] * (bs + 1)) is None  # not this step's batch
 
     reqs = [types.SimpleNamespace(customized_info=None, output_ids=[1] * (b + 1)) for b in range(bs)]
     served.finish(reqs, [int(a) + 1 for a in accept_len])
     assert served.trees is None and served.path is None and not served.drafting and trees.verify_parents() is None
+    assert served.chain_accept_lens([0] * bs) is None  # no tree step in flight
     for b, req in enumerate(reqs):
         assert req.customized_info[trees.META_INFO_KEY] == [0] * (b + 1) + [n] * (int(accept_len[b]) + 1)
 

@@ -239,10 +239,14 @@ class ServedTrees:
         bonus = out.gather(1, accept_len.to(torch.int64)[:, None])[:, 0]
         return accept_len, bonus, out
 
-    def chain_accept_lens(self, accepted: list[int]) -> list[int]:
+    def chain_accept_lens(self, accepted: list[int]) -> list[int] | None:
         """After `accept`: how many drafts the chain of first choices inside each request's tree had
         accepted (`tree.chain_accept_lens`), of the `accepted` the trees had; the adaptive
-        controller's measure of what a tree adds to its chain."""
+        controller's measure of what a tree adds to its chain. None where this step verified no
+        trees of that batch (the controller then measures the tree against the chain's expected
+        tokens): a measurement never stops a decode step."""
+        if self.trees is None or self.path is None or self.path.shape[0] != len(accepted):
+            return None
         return chain_accept_lens(self.trees, self.path, torch.tensor(accepted))
 
     def path_context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
