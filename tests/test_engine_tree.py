@@ -69,8 +69,7 @@ def test_chain_accept_lens_follow_the_chain_inside_the_tree():
     depths = torch.tensor([[0, 1, 1, 2, 2, 2, 3]] * 5)
     trees = DraftTrees(torch.arange(7).repeat(5, 1), parents, depths, [7] * 5)
     path = torch.tensor([[0, 1, 3, 6], [0, 1, 5, 5], [0, 2, 4, 4], [0, 1, 3, 3], [0, 0, 0, 0]])
-    accept_len = torch.tensor([3, 2, 2, 2, 0])
-    assert chain_accept_lens(trees, path, accept_len) == [3, 1, 0, 2, 0]
+    assert chain_accept_lens(trees, path, [3, 2, 2, 2, 0]) == [3, 1, 0, 2, 0]
 
 
 def test_ancestors_are_the_paths_to_the_root():

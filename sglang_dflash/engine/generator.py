@@ -330,7 +330,7 @@ class Generator:
                                None if step_taps is None else step_taps[keep_rows])
             t3 = time.perf_counter()
             if self.controller is not None:
-                chains = chain_accept_lens(trees, path, accept_len_t) if tree_budget else None
+                chains = chain_accept_lens(trees, path, accept_len) if tree_budget else None
                 self.controller.observe(block, tree_budget, accept_len, t3 - t0 - deferred_s, chains)
             running = set(still)
             for r in active:

@@ -94,13 +94,13 @@ def build_trees(anchors: torch.Tensor, candidates: torch.Tensor, scores: torch.T
     return DraftTrees(tokens.to(device), parents.to(device), depths.to(device), sizes)
 
 
-def chain_accept_lens(trees: DraftTrees, path: torch.Tensor, accept_len: torch.Tensor) -> list[int]:
-    """Per request, how many drafts the chain of first choices inside its tree had accepted: the
-    length of the committed path's prefix that runs along that chain. The chain's node at depth d
-    is the first node added at depth d (it has the best path score there); where the committed
-    path leaves the chain, the target's token differed from the chain's draft, so the chain alone
-    would have stopped there."""
-    depths, path, accepted = trees.depths.tolist(), path.tolist(), accept_len.tolist()
+def chain_accept_lens(trees: DraftTrees, path: torch.Tensor, accepted: list[int]) -> list[int]:
+    """Per request, how many drafts the chain of first choices inside its tree had accepted, of the
+    `accepted` its tree had: the length of the committed path's prefix that runs along that chain.
+    The chain's node at depth d is the first node added at depth d (it has the best path score
+    there); where the committed path leaves the chain, the target's token differed from the
+    chain's draft, so the chain alone would have stopped there."""
+    depths, path = trees.depths.tolist(), path.tolist()
     lens = []
     for b, a in enumerate(accepted):
         chain: dict[int, int] = {}

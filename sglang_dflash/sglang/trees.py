@@ -247,7 +247,7 @@ class ServedTrees:
         tokens): a measurement never stops a decode step."""
         if self.trees is None or self.path is None or self.path.shape[0] != len(accepted):
             return None
-        return chain_accept_lens(self.trees, self.path, torch.tensor(accepted))
+        return chain_accept_lens(self.trees, self.path, accepted)
 
     def path_context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
         """The target hidden states [bs * N, H] and positions [bs * N] of each request's accepted
