@@ -99,17 +99,20 @@ def test_meta_shapes_without_data():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("ctx,block,window,hq,hkv", [
-    (0, 4, -1, 9, 3), (61, 4, -1, 9, 3), (126, 8, -1, 4, 2), (300, 16, -1, 8, 1), (5, 3, -1, 2, 2),
-    (200, 8, 50, 4, 1), (70, 4, 3, 9, 3),
+@pytest.mark.parametrize("ctx,block,window,hq,hkv,d", [
+    (0, 4, -1, 9, 3, 64), (61, 4, -1, 9, 3, 64), (126, 8, -1, 4, 2, 64), (300, 16, -1, 8, 1, 64),
+    (5, 3, -1, 2, 2, 64), (200, 8, 50, 4, 1, 64), (70, 4, 3, 9, 3, 64), (200, 8, 3, 1, 1, 20),
+    (90, 16, -1, 3, 3, 72), (130, 5, -1, 12, 3, 36),
 ])
-def test_a_verify_row_is_bitwise_the_decode_of_that_token(dtype, ctx, block, window, hq, hkv):
+def test_a_verify_row_is_bitwise_the_decode_of_that_token(dtype, ctx, block, window, hq, hkv, d):
     """Causal verify row i over (ctx tokens in the pool + the block) equals, bit for bit, decoding
     that token with the i tokens before it already in the pool (B = 1, context ctx + i): the
     kernel tiles keys by absolute position, so greedy speculative decoding through it cannot drift
-    from plain decoding through it."""
+    from plain decoding through it. A decode of few query rows computes its scores with vectors
+    across keys, a verify of many across query rows (block_attention.cpp, by_keys): the cases
+    cross that line, with head dims that are and are not whole vectors."""
     gen = torch.Generator().manual_seed(ctx * 31 + block)
-    d, n_slots = 64, ctx + block + 9
+    n_slots = ctx + block + 9
     k_cache = torch.randn(n_slots, hkv, d, generator=gen).to(dtype)
     v_cache = torch.randn(n_slots, hkv, d, generator=gen).to(dtype)
     slots = torch.randperm(n_slots, generator=gen)[: ctx + block]

@@ -5,7 +5,10 @@
 // decoding its token alone computes. In tree mode (tree_parents) a block row sees the context and
 // the block rows of its ancestors only (a bitmask per row, built per task), and a node's key sits
 // at the position of its depth (siblings share one), so a node too computes bit for bit what
-// decoding its path computes. Buffers are allocated once per thread chunk.
+// decoding its path computes. Buffers are allocated once per thread chunk. A task's scores run with
+// vectors across its query rows, or across keys where it has few rows (Problem::by_keys: a decode
+// fills 3 of 8 lanes across rows); each score, probability and output element is the same FMA
+// chain in the same order either way, so a decode row and its verify row stay bitwise equal.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -51,30 +54,47 @@ void accumulate_tile(int64_t i, int64_t j, int64_t K, AAt a_at, const float* Bm,
 }
 
 // C[M x N] += A[M x K] * Bm[K x N], fp32, Bm and C row-major; A row-major, or column-major
-// (element (i, k) at A[k * lda + i]) when kTransA. Four rows of C at a time, two vectors of
-// columns (then one), so each loaded Bm vector feeds four FMAs.
+// (element (i, k) at A[k * lda + i]) when kTransA. Register tiles of 8-12 accumulators, each loaded
+// Bm vector feeding R FMAs: fewer than 8 independent chains leave the FMAs waiting on their own
+// latency (a decode's 3 query rows in 1-row tiles ran at ~1/4 of the FMA rate). Every element of
+// C is one FMA chain over k in order, whatever its tile: the tiling never changes a bit.
 template <bool kTransA>
 void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* Bm,
                      int64_t ldb, float* C, int64_t ldc) {
   auto a_at = [&](int64_t i, int64_t k) { return kTransA ? A[k * lda + i] : A[i * lda + k]; };
   constexpr int64_t W = Vec::size();
-  auto columns = [&](auto vectors, int64_t j) {
-    constexpr int V = decltype(vectors)::value;
+  // Rows in tiles of R (then of 2 and 1) against V vectors of columns from j.
+  auto columns = [&](auto vectors, auto tile_rows, int64_t j) {
+    constexpr int V = decltype(vectors)::value, R = decltype(tile_rows)::value;
     int64_t i = 0;
-    for (; i + 4 <= M; i += 4) accumulate_tile<4, V>(i, j, K, a_at, Bm, ldb, C, ldc);
+    for (; i + R <= M; i += R) accumulate_tile<R, V>(i, j, K, a_at, Bm, ldb, C, ldc);
+    if constexpr (R > 2) {
+      for (; i + 2 <= M; i += 2) accumulate_tile<2, V>(i, j, K, a_at, Bm, ldb, C, ldc);
+    }
     for (; i < M; ++i) accumulate_tile<1, V>(i, j, K, a_at, Bm, ldb, C, ldc);
   };
+  using std::integral_constant;
   int64_t j = 0;
-  for (; j + 2 * W <= N; j += 2 * W) columns(std::integral_constant<int, 2>{}, j);
-  for (; j + W <= N; j += W) columns(std::integral_constant<int, 1>{}, j);
+  for (; j + 4 * W <= N; j += 4 * W) columns(integral_constant<int, 4>{}, integral_constant<int, 3>{}, j);
+  for (; j + 2 * W <= N; j += 2 * W) columns(integral_constant<int, 2>{}, integral_constant<int, 4>{}, j);
+  for (; j + W <= N; j += W) columns(integral_constant<int, 1>{}, integral_constant<int, 8>{}, j);
   for (; j < N; ++j) {  // column tail (N not a multiple of the vector width)
     for (int64_t i = 0; i < M; ++i) {
+      // std::fma, as the vector lanes: `acc += a * b` may or may not be contracted into an FMA,
+      // differently in each instantiation, and a decode row and its verify row take different ones.
       float acc = C[i * ldc + j];
-      for (int64_t k = 0; k < K; ++k) acc += a_at(i, k) * Bm[k * ldb + j];
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(a_at(i, k), Bm[k * ldb + j], acc);
       C[i * ldc + j] = acc;
     }
   }
 }
+
+// A task of at most this many query rows computes its scores with vectors across keys (the K tile
+// transposed as it is loaded) instead of across query rows, whose vectors it would fill only in
+// part (a decode's B 1 x G 3 query rows: 3 of 8 lanes). Both layouts compute every score,
+// probability and output by the same FMA chains in the same order, so the choice never changes
+// a bit: a decode row and the verify row of the same token stay equal.
+constexpr int64_t kMaxRowsByKeys = 12;
 
 struct Problem {
   int64_t block_size, group, kv_heads, head_dim, window;
@@ -88,17 +108,19 @@ struct Problem {
   // (B 4 x G 3 = 12 rows would otherwise be computed one column at a time).
   int64_t rows() const { return block_size * group; }
   int64_t padded_rows() const { return (rows() + Vec::size() - 1) / Vec::size() * Vec::size(); }
+  bool by_keys() const { return rows() <= kMaxRowsByKeys; }
 };
 
-// Per-thread scratch, sized once per parallel chunk. Scores are kept key-major ([T, R]) so that
-// the K tile is used as gathered (no transpose) and the softmax runs across rows in vectors.
-// R = padded_rows(): the padding rows have all-zero queries, so their (finite) scores and
-// outputs are computed and never read.
+// Per-thread scratch, sized once per parallel chunk. Across query rows (R = padded_rows(); the
+// padding rows have all-zero queries, so their finite scores and outputs are computed and never
+// read), scores are key-major ([T, R]): the K tile is used as gathered and the softmax runs across
+// rows in vectors. Across keys (by_keys()), scores are row-major ([rows, ld]) against K^T.
 struct Scratch {
-  std::vector<float> q_t;    // [D, R]  queries of one (request, kv head), pre-scaled, transposed
-  std::vector<float> k;      // [T, D]  K tile
-  std::vector<float> v;      // [T, D]  V tile
-  std::vector<float> score;  // [T, R]  scores, then probabilities, of one tile
+  int64_t ld;                // keys a tile holds, rounded up to whole vectors (by_keys: K^T and score stride)
+  std::vector<float> q;      // [D, R] queries of one (request, kv head), pre-scaled, transposed; by keys [rows, D]
+  std::vector<float> k;      // [T, D] K tile; by keys K^T [D, ld]
+  std::vector<float> v;      // [T, D] V tile
+  std::vector<float> score;  // [T, R] scores, then probabilities, of one tile; by keys [rows, ld]
   std::vector<float> acc;    // [R, D]  un-normalised output
   std::vector<float> max, sum;       // [R] online-softmax state
   std::vector<float> scale, tile_sum;  // [R] per-tile work: new max / rescale factor, exp sums
@@ -108,9 +130,9 @@ struct Scratch {
   std::vector<int64_t> depth, by_depth;  // [B]
   // `tile`: the most keys one tile holds (in tree mode kTile positions hold up to B nodes more).
   Scratch(const Problem& p, int64_t tile)
-      : q_t(p.head_dim * p.padded_rows()), k(tile * p.head_dim), v(tile * p.head_dim),
-        score(tile * p.padded_rows()), acc(p.padded_rows() * p.head_dim), max(p.padded_rows()),
-        sum(p.padded_rows()), scale(p.padded_rows()), tile_sum(p.padded_rows()),
+      : ld((tile + Vec::size() - 1) / Vec::size() * Vec::size()), q(p.head_dim * p.padded_rows()),
+        k(ld * p.head_dim), v(ld * p.head_dim), score(ld * p.padded_rows()), acc(p.padded_rows() * p.head_dim),
+        max(p.padded_rows()), sum(p.padded_rows()), scale(p.padded_rows()), tile_sum(p.padded_rows()),
         sees(p.block_size * p.tree_words()), depth(p.tree_words() ? p.block_size : 0),
         by_depth(depth.size()) {}
 };
@@ -167,17 +189,130 @@ void load_tile(Scratch& s, int64_t n, int64_t head_dim, KeyPtr key_ptr) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// In place: r[i] becomes column i of the 8 x 8 matrix whose rows are r[0..7].
+inline void transpose_8x8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
+
+// Loads `n` keys of one kv head as K^T ([D, ld], key c in column c) and their values row-major, in
+// fp32. Columns n.. of the last vector repeat key n - 1 (their scores are masked).
+template <typename scalar_t, typename KeyPtr>
+void load_tile_by_keys(Scratch& s, int64_t n, int64_t D, KeyPtr key_ptr) {
+  constexpr int64_t W = Vec::size();
+  float* kt = s.k.data();
+  const int64_t ld = s.ld;
+  for (int64_t c0 = 0; c0 < n; c0 += W) {
+    const scalar_t* keys[W];
+    for (int64_t j = 0; j < W; ++j) {
+      const scalar_t* v;
+      key_ptr(std::min(c0 + j, n - 1), keys[j], v);
+      if (c0 + j < n) to_float(v, s.v.data() + (c0 + j) * D, D);
+    }
+    int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+    for (; d + W <= D; d += W) {
+      __m256 block[8];
+      for (int j = 0; j < 8; ++j) {
+        Vec row;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          row = Vec::loadu(keys[j] + d);
+        } else {
+          at::vec::load_to_float(keys[j] + d, row);
+        }
+        block[j] = row;
+      }
+      transpose_8x8(block);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d + i) * ld + c0, block[i]);
+    }
+#endif
+    for (; d < D; ++d)
+      for (int64_t j = 0; j < W; ++j) kt[d * ld + c0 + j] = static_cast<float>(keys[j][d]);
+  }
+}
+
+// attend_tile across keys (by_keys()): scores [rows, keys] = Q K^T, each row's online-softmax
+// update along its keys, acc += P V. Per element the same operations in the same order as across
+// query rows: a score is one FMA chain over d from 0, a row's exp sum adds its keys in key order,
+// an output element is one FMA chain over keys.
+template <typename Visible>
+void attend_tile_by_keys(Scratch& s, const Problem& p, int64_t n, bool masked, Visible visible) {
+  const int64_t rows = p.rows(), D = p.head_dim, ld = s.ld, W = Vec::size();
+  const int64_t n_vec = (n + W - 1) / W * W;
+  float* scores = s.score.data();
+  for (int64_t r = 0; r < rows; ++r) std::fill_n(scores + r * ld, n_vec, 0.0f);
+  gemm_accumulate<false>(rows, n_vec, D, s.q.data(), D, s.k.data(), ld, scores, ld);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* score = scores + r * ld;
+    if (masked) {
+      for (int64_t c = 0; c < n; ++c)
+        if (!visible(r / p.group, c)) score[c] = -INFINITY;
+    }
+    std::fill(score + n, score + n_vec, -INFINITY);
+    Vec top(-INFINITY);
+    for (int64_t c = 0; c < n_vec; c += W) top = at::vec::maximum(top, Vec::loadu(score + c));
+    const float new_max = std::max(
+        s.max[r], at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); },
+                                                 top));
+    // A row with nothing visible yet subtracts 0, so exp(-inf) gives 0 rather than NaN.
+    const Vec shift(new_max == -INFINITY ? 0.0f : new_max);
+    for (int64_t c = 0; c < n_vec; c += W) (Vec::loadu(score + c) - shift).exp_u20().store(score + c);
+    s.scale[r] = rescale_factor(s.max[r], new_max);
+    s.max[r] = new_max;
+  }
+  float* tile_sum = s.tile_sum.data();  // in key order; the rows' chains interleave
+  std::fill_n(tile_sum, rows, 0.0f);
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t r = 0; r < rows; ++r) tile_sum[r] += scores[r * ld + c];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float factor = s.scale[r];
+    s.sum[r] = s.sum[r] * factor + tile_sum[r];
+    if (factor == 1.0f) continue;
+    float* acc = s.acc.data() + r * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] *= factor;
+  }
+  gemm_accumulate<false>(rows, D, n, scores, ld, s.v.data(), D, s.acc.data(), D);
+}
+
 // Scores of all query rows against the loaded tile (S^T = K Q^T), the online softmax, then
 // acc += P V with P read transposed from the key-major scores.
 template <typename Visible>
 void attend_tile(Scratch& s, const Problem& p, int64_t n, bool masked, Visible visible) {
   const int64_t rows = p.padded_rows();
   std::fill_n(s.score.data(), n * rows, 0.0f);
-  gemm_accumulate<false>(n, rows, p.head_dim, s.k.data(), p.head_dim, s.q_t.data(), rows, s.score.data(),
+  gemm_accumulate<false>(n, rows, p.head_dim, s.k.data(), p.head_dim, s.q.data(), rows, s.score.data(),
                          rows);
   softmax_tile(s, p, n, masked, visible);
   gemm_accumulate<true>(p.rows(), p.head_dim, n, s.score.data(), rows, s.v.data(), p.head_dim, s.acc.data(),
                         p.head_dim);
+}
+
+// One tile of `n` keys (key_ptr(c, k, v) points at key c's K and V) for every query row of the
+// task, across keys or across query rows (Problem::by_keys).
+template <typename scalar_t, typename KeyPtr, typename Visible>
+void load_and_attend(Scratch& s, const Problem& p, int64_t n, KeyPtr key_ptr, bool masked, Visible visible) {
+  if (p.by_keys()) {
+    load_tile_by_keys<scalar_t>(s, n, p.head_dim, key_ptr);
+    attend_tile_by_keys(s, p, n, masked, visible);
+  } else {
+    load_tile<scalar_t>(s, n, p.head_dim, key_ptr);
+    attend_tile(s, p, n, masked, visible);
+  }
 }
 
 // Tree mode's key stream of one (request, kv head) task: the context, then node c at position
@@ -210,14 +345,14 @@ void attend_tree(Scratch& s, const Problem& p, int64_t b, int64_t ctx, ContextKe
     int64_t stop = next;  // nodes next..stop-1 (in depth order) sit at positions < t0 + kTile
     while (stop < B && ctx + s.depth[s.by_depth[stop]] < t0 + kTile) ++stop;
     const int64_t n = n_ctx + stop - next;
-    load_tile<scalar_t>(s, n, p.head_dim, [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
+    auto key_ptr = [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
       if (c < n_ctx) {
         context_key(t0 + c, k, v);
       } else {
         block_key(s.by_depth[next + c - n_ctx], k, v);
       }
-    });
-    attend_tile(s, p, n, stop > next, [&](int64_t i, int64_t c) {
+    };
+    load_and_attend<scalar_t>(s, p, n, key_ptr, stop > next, [&](int64_t i, int64_t c) {
       return c < n_ctx || sees(i, s.by_depth[next + c - n_ctx]);
     });
     next = stop;
@@ -249,7 +384,9 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
         for (int64_t g = 0; g < G; ++g) {
           const scalar_t* src = q_ptr + (b * B + i) * q.stride(0) + (h * G + g) * q.stride(1);
           const int64_t r = i * G + g;
-          for (int64_t d = 0; d < D; ++d) s.q_t[d * rows + r] = static_cast<float>(src[d]) * p.sm_scale;
+          for (int64_t d = 0; d < D; ++d) {
+            (p.by_keys() ? s.q[r * D + d] : s.q[d * rows + r]) = static_cast<float>(src[d]) * p.sm_scale;
+          }
         }
       }
       std::fill(s.acc.begin(), s.acc.end(), 0.0f);
@@ -283,15 +420,15 @@ void block_attention_kernel(const at::Tensor& q, const at::Tensor& k_block,
         };
         for (int64_t t0 = first / kTile * kTile; t0 < end; t0 += kTile) {
           const int64_t n = std::min(kTile, end - t0);
-          load_tile<scalar_t>(s, n, D, [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
+          auto key_ptr = [&](int64_t c, const scalar_t*& k, const scalar_t*& v) {
             if (t0 + c < ctx) {
               context_key(t0 + c, k, v);
             } else {
               block_key(t0 + c - ctx, k, v);
             }
-          });
+          };
           const bool masked = p.window >= 1 || t0 < first || (p.causal_block && t0 + n > ctx + 1);
-          attend_tile(s, p, n, masked, [&](int64_t i, int64_t c) { return visible(i, t0 + c); });
+          load_and_attend<scalar_t>(s, p, n, key_ptr, masked, [&](int64_t i, int64_t c) { return visible(i, t0 + c); });
         }
       }
 
