@@ -6,8 +6,9 @@ With the plugin, CPU decoding is batch invariant (few-row linears through skinny
 and verify attention through block_attention, which tiles keys by absolute position): a verify row
 computes exactly what decoding that token alone computes. So greedy DFLASH output must equal the
 plain server's token for token, one request at a time and concurrently, whatever block sizes the
-adaptive controller picks, and with draft trees (SGLANG_DFLASH_TREE_BUDGET: a tree node's verify row
-is bitwise the decode of its path). The servers run one after the other (never together: an idle
+adaptive controller picks (chains or, by default on CPU, draft trees of up to 4 nodes), and with
+trees at every step (SGLANG_DFLASH_TREE_BUDGET: a tree node's verify row is bitwise the decode of
+its path). The servers run one after the other (never together: an idle
 SGLang scheduler keeps a core busy). Needs SGLang (scripts/install_sglang_cpu.sh); ~5 minutes.
 """
 
@@ -40,6 +41,7 @@ from sglang_dflash.sglang.local_server import (
     sigterm_in_flight,
     sse_chunks,
 )
+from sglang_dflash.sglang.trees import DEFAULT_TREE_BUDGET
 
 pytestmark = pytest.mark.slow
 
@@ -178,7 +180,7 @@ def test_each_tree_steps_nodes_are_in_meta_info_and_the_log(runs):
         assert len(nodes) == r["meta_info"]["completion_tokens"]
         assert nodes[0] == 0 and set(nodes[1:]) == {TREE_NODES}  # the first token is the prefill's
     log = trees["log"]
-    assert f"sglang-dflash: draft trees on: {TREE_NODES} nodes (top 4 per position)" in log
+    assert f"sglang-dflash: draft trees on: {TREE_NODES} nodes (top 4 per position;" in log
     assert f"sglang-dflash: draft trees, steps since the last report: tree of {TREE_NODES} x" in log
     assert "Traceback" not in log
 
@@ -191,6 +193,9 @@ def test_each_steps_block_size_is_in_meta_info_and_the_log(runs):
         assert sizes[0] == 0 and all(1 <= b <= 8 for b in sizes[1:])  # the first token is the prefill's
     log = dflash["log"]
     assert "sglang-dflash: adaptive block size on: each decode step runs B in 1..8" in log
+    # On CPU the adaptive server may verify trees of up to DEFAULT_TREE_BUDGET nodes (a tree of n
+    # runs at block size n + 1), unless SGLANG_DFLASH_TREE_BUDGET says otherwise.
+    assert f"sglang-dflash: draft trees on: up to {DEFAULT_TREE_BUDGET} nodes (top 4 per position" in log
     assert "sglang-dflash: adaptive block size, steps since the last report: batch 1: B=" in log
 
 

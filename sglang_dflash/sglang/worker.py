@@ -245,13 +245,15 @@ class DFlashKernelWorker(DFlashWorkerV2):
 
     def _init_trees(self) -> None:
         """Draft trees (trees.py) where SGLANG_DFLASH_TREE_BUDGET asks for them (a bad value stops
-        the start with an error naming the variable); `init_attention_backends` then keeps them
-        only where this worker can run them."""
-        from sglang_dflash.sglang.trees import ServedTrees, tree_options
+        the start with an error naming the variable), and by default where the block size adapts;
+        `init_attention_backends` then keeps them only where this worker can run them."""
+        from sglang_dflash.sglang.adaptive import adaptive_wanted
+        from sglang_dflash.sglang.trees import DEFAULT_TREE_BUDGET, ServedTrees, tree_options
 
         self._trees = self._tree_states = None
         self._max_block_size = int(self.block_size)
-        options = tree_options(self._max_block_size, int(self.model_runner.model_config.vocab_size))
+        options = tree_options(self._max_block_size, int(self.model_runner.model_config.vocab_size),
+                               DEFAULT_TREE_BUDGET if adaptive_wanted() else 0)
         if options is not None:
             self._trees = ServedTrees(self, *options)
 
@@ -261,19 +263,22 @@ class DFlashKernelWorker(DFlashWorkerV2):
             return
         # Only now are the target's attention backend and SGLang's Mamba check known.
         from sglang_dflash.sglang.adaptive import BlockSizeStates
-        from sglang_dflash.sglang.trees import ENV_TREE_BUDGET, tree_problem
+        from sglang_dflash.sglang.trees import ENV_TREE_BUDGET, tree_budget_asked, tree_problem
 
         problem = tree_problem(self) or self._tree_head_problem()
         if problem is not None:
-            logger.warning("sglang-dflash: %s=%d ignored, every step verifies a chain: %s", ENV_TREE_BUDGET,
-                           self._trees.budget, problem)
+            if tree_budget_asked():
+                logger.warning("sglang-dflash: %s=%d ignored, every step verifies a chain: %s", ENV_TREE_BUDGET,
+                               self._trees.budget, problem)
+            else:
+                logger.info("sglang-dflash: draft trees off, every step verifies a chain: %s", problem)
             self._trees = None
             return
         if self._adaptive is None:  # else the adaptive block size switches the block sizes
             self._tree_states = BlockSizeStates(self)
-        logger.info("sglang-dflash: draft trees on: %s nodes (top %d per position)",
+        logger.info("sglang-dflash: draft trees on: %s nodes (top %d per position; %s=0 turns them off)",
                     f"up to {self._trees.budget}" if self._adaptive is not None else self._trees.budget,
-                    self._trees.topk)
+                    self._trees.topk, ENV_TREE_BUDGET)
 
     def _tree_head_problem(self) -> str | None:
         weight = getattr(getattr(self.target_worker.model_runner.model, "lm_head", None), "weight", None)
