@@ -4,6 +4,7 @@ and trees win; then in real generation, lossless with both kinds of step."""
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -151,14 +152,38 @@ def test_budgets_and_bad_arguments():
         ChainOrTreeController(BlockSizeController(8), [4]).observe(8, 5, [0], 1.0)
 
 
+def test_tree_steps_keep_the_chains_acceptance_current():
+    """While trees play, the chain inside each tree is the chain a step of its depth + 1 drafts:
+    what it would have had accepted updates the chains' per-position acceptance, so the trees'
+    expected tokens follow the text. A chain accepted to its tree's depth tested nothing past it."""
+    controller = ChainOrTreeController(BlockSizeController(8), [4])
+    for _ in range(60):
+        controller.observe(5, 0, [4], 0.04)  # chains of 5 on easy text: every draft accepted
+    easy = controller.chains.expected_tokens()[4]
+    for _ in range(60):  # then trees on hard text, whose inner chains had nothing accepted
+        controller.observe(8, 4, [0], 0.05, chain_accept_lens=[0], chain_depths=[4])
+    assert easy > 4.5 and controller.chains.acceptance()[0] < 0.25 and controller.chains.expected_tokens()[4] < 2.0
+    as_chain_of_3, as_chain_of_5 = copy.deepcopy(controller.chains), copy.deepcopy(controller.chains)
+    controller.observe(8, 4, [2], 0.05, chain_accept_lens=[2], chain_depths=[2])  # a tree 2 deep
+    as_chain_of_3.observe_acceptance(3, [2])  # drafts 1 and 2 accepted, none past them tested
+    as_chain_of_5.observe_acceptance(5, [2])  # ... where a chain of 5 would have had draft 3 rejected
+    assert controller.chains.acceptance() == as_chain_of_3.acceptance() != as_chain_of_5.acceptance()
+    with pytest.raises(ValueError, match="1 chain depths for 2 requests"):
+        controller.observe(8, 4, [0, 0], 0.05, chain_accept_lens=[0, 0], chain_depths=[1])
+    # Without the chains' results the tree step teaches the chains nothing.
+    before = controller.chains.acceptance()
+    controller.observe(8, 4, [3], 0.05)
+    assert controller.chains.acceptance() == before
+
+
 class FreeRowsChainOrTree(ChainOrTreeController):
     """Fed modelled step times (the chains' too) in which a verified row costs almost nothing, so
     trees win and get played (in place of the wall clock, where on this CPU they rarely would)."""
 
-    def observe(self, block_size, tree_budget, accept_lens, seconds, chain_accept_lens=None):
+    def observe(self, block_size, tree_budget, accept_lens, seconds, chain_accept_lens=None, chain_depths=None):
         rows = tree_budget + 1 if tree_budget else block_size
         super().observe(block_size, tree_budget, accept_lens, 0.010 + 0.002 * (rows > 1) + 1e-5 * rows,
-                        chain_accept_lens)
+                        chain_accept_lens, chain_depths)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

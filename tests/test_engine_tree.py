@@ -11,7 +11,14 @@ import torch
 
 from sglang_dflash.engine import DFlashDrafter, Generator, SamplingParams
 from sglang_dflash.engine.drafters import NoDrafter
-from sglang_dflash.engine.tree import MAX_TREE_BUDGET, MAX_TREE_TOPK, DraftTrees, build_trees, chain_accept_lens
+from sglang_dflash.engine.tree import (
+    MAX_TREE_BUDGET,
+    MAX_TREE_TOPK,
+    DraftTrees,
+    build_trees,
+    chain_accept_lens,
+    chain_depths,
+)
 from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, tiny_target
 
 PROMPTS = [[3, 4, 5], list(range(10, 30)), [50, 60, 70, 80, 90, 11, 12], [5]]
@@ -70,6 +77,9 @@ def test_chain_accept_lens_follow_the_chain_inside_the_tree():
     trees = DraftTrees(torch.arange(7).repeat(5, 1), parents, depths, [7] * 5)
     path = torch.tensor([[0, 1, 3, 6], [0, 1, 5, 5], [0, 2, 4, 4], [0, 1, 3, 3], [0, 0, 0, 0]])
     assert chain_accept_lens(trees, path, [3, 2, 2, 2, 0]) == [3, 1, 0, 2, 0]
+    assert chain_depths(trees) == [3] * 5
+    shallow = DraftTrees(torch.arange(7).repeat(2, 1), parents[:2], depths[:2], [3, 1])  # nodes 0-2; the root alone
+    assert chain_depths(shallow) == [1, 0]
 
 
 def test_ancestors_are_the_paths_to_the_root():

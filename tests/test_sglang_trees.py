@@ -194,7 +194,9 @@ def test_draft_builds_the_trees_and_their_positions_and_the_context_follows_the_
     # The chain of first choices inside each tree (the drafted top picks, each the child of the one
     # before), checked on its own against the target's tokens: what it would have had accepted.
     top = ids[picks[:, 0]].view(bs, n)
-    for b, chain_accepted in enumerate(served.chain_accept_lens(accept_len.tolist())):
+    chain_lens, depths = served.chains_in_trees(accept_len.tolist())
+    assert depths == [int(built.depths[b, 1:].max()) for b in range(bs)]
+    for b, chain_accepted in enumerate(chain_lens):
         node, expected = 0, 0
         while expected < n:
             child = [i for i in range(1, n + 1) if int(built.parents[b, i]) == node
@@ -203,12 +205,12 @@ def test_draft_builds_the_trees_and_their_positions_and_the_context_follows_the_
                 break
             node, expected = child[0], expected + 1
         assert chain_accepted == expected <= int(accept_len[b])
-    assert served.chain_accept_lens([0] * (bs + 1)) is None  # not this step's batch
+    assert served.chains_in_trees([0] * (bs + 1)) is None  # not this step's batch
 
     reqs = [types.SimpleNamespace(customized_info=None, output_ids=[1] * (b + 1)) for b in range(bs)]
     served.finish(reqs, [int(a) + 1 for a in accept_len])
     assert served.trees is None and served.path is None and not served.drafting and trees.verify_parents() is None
-    assert served.chain_accept_lens([0] * bs) is None  # no tree step in flight
+    assert served.chains_in_trees([0] * bs) is None  # no tree step in flight
     for b, req in enumerate(reqs):
         assert req.customized_info[trees.META_INFO_KEY] == [0] * (b + 1) + [n] * (int(accept_len[b]) + 1)
 

@@ -222,15 +222,21 @@ class BlockSizeController:
                                       step_ms=[round(1e3 * t, 3) for t in seconds])
         return block_size
 
-    def observe(self, block_size: int, accept_lens: list[int], seconds: float) -> None:
-        """One verify step of `len(accept_lens)` requests at `block_size`, taking `seconds`;
-        accept_lens[i] drafts of request i were accepted."""
+    def observe_acceptance(self, block_size: int, accept_lens: list[int]) -> None:
+        """Drafts 1..a of a chain of block size `block_size` accepted and draft a + 1 rejected (none
+        past the block), for each a in `accept_lens`: the per-position acceptance, untimed (a
+        tree step's inner chain, chain_or_tree.py)."""
         if not 1 <= block_size <= self.max_block_size:
             raise ValueError(f"block_size {block_size} is outside [1, {self.max_block_size}]")
         for a in accept_lens:
-            for k in range(min(a + 1, block_size - 1)):  # drafts 1..a accepted, draft a + 1 rejected
+            for k in range(min(a + 1, block_size - 1)):
                 self._tested[k] = self._tested[k] * self.decay + 1.0
                 self._accepted[k] = self._accepted[k] * self.decay + float(k < a)
+
+    def observe(self, block_size: int, accept_lens: list[int], seconds: float) -> None:
+        """One verify step of `len(accept_lens)` requests at `block_size`, taking `seconds`;
+        accept_lens[i] drafts of request i were accepted."""
+        self.observe_acceptance(block_size, accept_lens)
         self._steps += 1
         key = (len(accept_lens), block_size)
         if key not in self._seen:  # the first step at a new shape pays one-off costs: not timed

@@ -31,7 +31,7 @@ from sglang_dflash.engine.block_size import BlockSizeController
 from sglang_dflash.engine.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
 from sglang_dflash.engine.drafters import DraftSampling
 from sglang_dflash.engine.target import HFTarget
-from sglang_dflash.engine.tree import build_trees, chain_accept_lens, path_rows, validate_tree_options
+from sglang_dflash.engine.tree import build_trees, chain_accept_lens, chain_depths, path_rows, validate_tree_options
 from sglang_dflash.ops import check_device_errors, verify_block, verify_tree
 
 
@@ -330,8 +330,9 @@ class Generator:
                                None if step_taps is None else step_taps[keep_rows])
             t3 = time.perf_counter()
             if self.controller is not None:
-                chains = chain_accept_lens(trees, path, accept_len) if tree_budget else None
-                self.controller.observe(block, tree_budget, accept_len, t3 - t0 - deferred_s, chains)
+                chains, depths = (chain_accept_lens(trees, path, accept_len), chain_depths(trees)) if tree_budget \
+                    else (None, None)
+                self.controller.observe(block, tree_budget, accept_len, t3 - t0 - deferred_s, chains, depths)
             running = set(still)
             for r in active:
                 results[r].stats.draft_s += (t1 - t0) + (t3 - t2)

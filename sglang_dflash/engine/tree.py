@@ -113,6 +113,13 @@ def chain_accept_lens(trees: DraftTrees, path: torch.Tensor, accepted: list[int]
     return lens
 
 
+def chain_depths(trees: DraftTrees) -> list[int]:
+    """Per request, the depth of its tree, which is the depth of the chain of first choices inside
+    it: a node's path score is at most its parent's, so best-first growth adds the chain's node at
+    a depth before any other there."""
+    return [max(row[1:size], default=0) for row, size in zip(trees.depths.tolist(), trees.sizes, strict=True)]
+
+
 def path_rows(path: torch.Tensor, accept_len: torch.Tensor) -> torch.Tensor:
     """Node indices of each request's committed path (root, accepted nodes) as [bs, max_len],
     padded by repeating the last node (callers read only the first accept_len + 1)."""

@@ -182,8 +182,8 @@ class AdaptiveBlockSize:
         commits = result.accept_lens.to("cpu", torch.int64).tolist()
         accepted = [n - 1 for n in commits]
         if trees is not None:
-            chains = trees.chain_accept_lens(accepted) if budget else None
-            self.controller.observe(block_size, budget, accepted, seconds, chains)
+            chains = trees.chains_in_trees(accepted) if budget else None
+            self.controller.observe(block_size, budget, accepted, seconds, *(chains or (None, None)))
         else:
             self.controller.chains.observe(block_size, accepted, seconds)
         self._report(reqs, commits, rows, budget, seconds)

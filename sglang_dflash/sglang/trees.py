@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from sglang_dflash.engine.tree import MAX_TREE_TOPK, DraftTrees, build_trees, chain_accept_lens
+from sglang_dflash.engine.tree import MAX_TREE_TOPK, DraftTrees, build_trees, chain_accept_lens, chain_depths
 
 logger = logging.getLogger(__name__)
 
@@ -250,15 +250,16 @@ class ServedTrees:
         bonus = out.gather(1, accept_len.to(torch.int64)[:, None])[:, 0]
         return accept_len, bonus, out
 
-    def chain_accept_lens(self, accepted: list[int]) -> list[int] | None:
-        """After `accept`: how many drafts the chain of first choices inside each request's tree had
-        accepted (`tree.chain_accept_lens`), of the `accepted` the trees had; the adaptive
-        controller's measure of what a tree adds to its chain. None where this step verified no
+    def chains_in_trees(self, accepted: list[int]) -> tuple[list[int], list[int]] | None:
+        """After `accept`: per request, how many drafts the chain of first choices inside its tree
+        had accepted (`tree.chain_accept_lens`), of the `accepted` the trees had, and that chain's
+        depth (`tree.chain_depths`); the adaptive controller's measure of what a tree adds to its
+        chain, and of the chain's acceptance while trees play. None where this step verified no
         trees of that batch (the controller then measures the tree against the chain's expected
         tokens): a measurement never stops a decode step."""
         if self.trees is None or self.path is None or self.path.shape[0] != len(accepted):
             return None
-        return chain_accept_lens(self.trees, self.path, accepted)
+        return chain_accept_lens(self.trees, self.path, accepted), chain_depths(self.trees)
 
     def path_context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
         """The target hidden states [bs * N, H] and positions [bs * N] of each request's accepted
