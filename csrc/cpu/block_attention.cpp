@@ -137,6 +137,15 @@ struct Scratch {
         by_depth(depth.size()) {}
 };
 
+// Folds one tile's exp sum of row r into its running sum and rescales its output accumulator by
+// `factor` (rescale_factor of the row's old and new max).
+inline void fold_tile(Scratch& s, int64_t r, int64_t head_dim, float factor, float tile_sum) {
+  s.sum[r] = s.sum[r] * factor + tile_sum;
+  if (factor == 1.0f) return;
+  float* acc = s.acc.data() + r * head_dim;
+  for (int64_t d = 0; d < head_dim; ++d) acc[d] *= factor;
+}
+
 // Online-softmax update of all R query rows with one tile of `n` keys whose scores are in
 // s.score ([n, R]); `visible(row_in_block, key)` says which (block row, tile key) pairs may
 // attend, and is only consulted when `masked`. Everything runs across rows, W at a time.
@@ -168,12 +177,9 @@ void softmax_tile(Scratch& s, const Problem& p, int64_t n, bool masked, Visible 
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float factor = rescale_factor(s.max[r], new_max[r]);
-    s.sum[r] = s.sum[r] * factor + tile_sum[r];
     s.max[r] = new_max[r];
     new_max[r] = factor;
-    if (factor == 1.0f) continue;
-    float* acc = s.acc.data() + r * p.head_dim;
-    for (int64_t d = 0; d < p.head_dim; ++d) acc[d] *= factor;
+    fold_tile(s, r, p.head_dim, factor, tile_sum[r]);
   }
 }
 
@@ -229,13 +235,7 @@ void load_tile_by_keys(Scratch& s, int64_t n, int64_t D, KeyPtr key_ptr) {
     for (; d + W <= D; d += W) {
       __m256 block[8];
       for (int j = 0; j < 8; ++j) {
-        Vec row;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          row = Vec::loadu(keys[j] + d);
-        } else {
-          at::vec::load_to_float(keys[j] + d, row);
-        }
-        block[j] = row;
+        block[j] = load_float_vector(keys[j] + d);
       }
       transpose_8x8(block);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d + i) * ld + c0, block[i]);
@@ -279,13 +279,7 @@ void attend_tile_by_keys(Scratch& s, const Problem& p, int64_t n, bool masked, V
   std::fill_n(tile_sum, rows, 0.0f);
   for (int64_t c = 0; c < n; ++c)
     for (int64_t r = 0; r < rows; ++r) tile_sum[r] += scores[r * ld + c];
-  for (int64_t r = 0; r < rows; ++r) {
-    const float factor = s.scale[r];
-    s.sum[r] = s.sum[r] * factor + tile_sum[r];
-    if (factor == 1.0f) continue;
-    float* acc = s.acc.data() + r * D;
-    for (int64_t d = 0; d < D; ++d) acc[d] *= factor;
-  }
+  for (int64_t r = 0; r < rows; ++r) fold_tile(s, r, D, s.scale[r], tile_sum[r]);
   gemm_accumulate<false>(rows, D, n, scores, ld, s.v.data(), D, s.acc.data(), D);
 }
 

@@ -72,9 +72,7 @@ inline Reg fmadd(const Reg& x, const Reg& w, const Reg& acc) { return at::vec::f
 // kW weights as fp32 (exact for every weight type).
 template <typename T>
 inline Reg load_weight(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else if constexpr (std::is_same_v<T, int8_t>) {
+  if constexpr (std::is_same_v<T, int8_t>) {
 #if defined(CPU_CAPABILITY_AVX2)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #else
@@ -83,9 +81,7 @@ inline Reg load_weight(const T* p) {
     return Vec::loadu(f);
 #endif
   } else {
-    Vec v;
-    at::vec::load_to_float(p, v);
-    return v;
+    return load_float_vector(p);
   }
 }
 

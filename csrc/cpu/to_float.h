@@ -11,6 +11,18 @@
 
 namespace sglang_dflash::cpu {
 
+// One vector of fp32 / fp16 / bf16 values as fp32.
+template <typename T>
+inline at::vec::Vectorized<float> load_float_vector(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return at::vec::Vectorized<float>::loadu(src);
+  } else {
+    at::vec::Vectorized<float> v;
+    at::vec::load_to_float(src, v);
+    return v;
+  }
+}
+
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
@@ -18,11 +30,7 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   } else {
     using Vec = at::vec::Vectorized<float>;
     int64_t i = 0;
-    for (; i + Vec::size() <= n; i += Vec::size()) {
-      Vec v;
-      at::vec::load_to_float(src + i, v);
-      v.store(dst + i);
-    }
+    for (; i + Vec::size() <= n; i += Vec::size()) load_float_vector(src + i).store(dst + i);
     for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   }
 }

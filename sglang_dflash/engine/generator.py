@@ -330,8 +330,9 @@ class Generator:
                                None if step_taps is None else step_taps[keep_rows])
             t3 = time.perf_counter()
             if self.controller is not None:
-                chains, depths = (chain_accept_lens(trees, path, accept_len), chain_depths(trees)) if tree_budget \
-                    else (None, None)
+                chains = depths = None
+                if tree_budget:
+                    chains, depths = chain_accept_lens(trees, path, accept_len), chain_depths(trees)
                 self.controller.observe(block, tree_budget, accept_len, t3 - t0 - deferred_s, chains, depths)
             running = set(still)
             for r in active:

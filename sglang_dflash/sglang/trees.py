@@ -3,8 +3,9 @@
 With `SGLANG_DFLASH_TREE_BUDGET=n` a decode step may verify a tree of n drafted nodes
 (engine/tree.py: the drafter's `SGLANG_DFLASH_TREE_TOPK` best tokens per block position, grown best
 first) instead of a chain; unset, trees of up to `DEFAULT_TREE_BUDGET` nodes where the block size
-adapts (on CPU), none where it is pinned; 0 turns them off. It runs inside SGLang's own chain step at block size n + 1,
-so SGLang's buffers, KV slot reservation and commit stay as they are; what changes:
+adapts (on CPU), none where it is pinned; 0 turns them off. It runs inside SGLang's own chain step
+at block size n + 1, so SGLang's buffers, KV slot reservation and commit stay as they are; what
+changes:
 
 1. the draft head (`draft`, from the worker's `_greedy_sample_from_vocab_parallel_head`) takes the
    top-k per position and builds the trees; the block's tokens become the trees' nodes, their
@@ -48,7 +49,8 @@ ENV_TREE_TOPK = "SGLANG_DFLASH_TREE_TOPK"
 DEFAULT_TREE_TOPK = 4
 # Trees of up to this many nodes where the variable is unset and the block size adapts (so on CPU,
 # where `tree_problem` allows them): bench_serving, SmolLM2 + the shipped drafter, 1 and 4 clients,
-# two runs (bench/results/serving_smollm2-135m_trees.json and docs/sglang.md).
+# four runs (bench/results/serving_smollm2-135m_trees4_run*.json, ..._trees_default*.json; the
+# table in docs/sglang.md).
 DEFAULT_TREE_BUDGET = 4
 META_INFO_KEY = "dflash_tree_nodes"  # meta_info: per output token, the drafted nodes of its step's tree (0: a chain)
 
@@ -63,9 +65,9 @@ def tree_options(max_block_size: int, vocab_size: int, default_budget: int = 0) 
     unset, `default_budget` (0: off) cut to what the block holds; off where that is under 2 nodes
     (a tree of one node is the chain of 2). Bad values raise one ValueError naming the variable."""
     raw = os.environ.get(ENV_TREE_BUDGET, "").strip()
-    if raw == "0" or (raw == "" and min(default_budget, max_block_size - 1) < 2):
-        return None
     budget = _env_int(ENV_TREE_BUDGET, raw) if raw else min(default_budget, max_block_size - 1)
+    if raw == "0" or (not raw and budget < 2):
+        return None
     topk = _env_int(ENV_TREE_TOPK, os.environ.get(ENV_TREE_TOPK, str(DEFAULT_TREE_TOPK)).strip())
     if not 1 <= budget <= max_block_size - 1:
         raise ValueError(
