@@ -3,11 +3,11 @@
 // With a handful of rows the product is bound by reading the weight once from memory, and BLAS
 // GEMMs waste that: they pack (copy) the weight, and for 2-16 rows MKL's fp32 path runs 2-4x
 // slower than one pass over the weight (bench/bench_ops.py). Here every
-// thread streams a contiguous band of weight rows exactly once; while a pair of rows sits in L1 it
+// thread streams a contiguous band of weight rows exactly once; while a tile of rows sits in L1 it
 // is multiplied by all rows of x (fp32, converted once, small enough for L1/L2). Each thread also
-// prefetches its weight stream two pairs ahead into L2, one cache line per line consumed, from
-// inside the FMA loop: the hardware prefetchers alone leave the FMAs of a pair and the arrival of
-// the next bytes serialized, and a burst of prefetches per pair did not fix that (likely: the burst
+// prefetches its weight stream two tiles ahead into L2, one cache line per line consumed, from
+// inside the FMA loop: the hardware prefetchers alone leave the FMAs of a tile and the arrival of
+// the next bytes serialized, and a burst of prefetches per tile did not fix that (likely: the burst
 // stalls the loads behind it once the miss buffers fill). Standalone A/B on SmolLM2's shapes, 2
 // threads, 4 rows: 6.9 -> 5.0 ms per 60 MLP-sized matrices; 1 row unchanged or better; 1 row with
 // no prefetching at all: 1.6x slower.
@@ -40,21 +40,25 @@ constexpr int64_t kW = Vec::size();
 
 // Weight rows per tile (their dot products run side by side, each x vector loaded once for all)
 // and at most this many x rows per register tile, by weight type, so that Rows x Cols accumulators
-// + Cols weight vectors + an x vector fit in the 16 AVX2 registers. An int8 weight pays a
-// conversion per element: 4 weight rows give 1-2 x rows 4-8 independent FMA chains, which keeps
-// that stream up with memory; 2 x 2 chains left it latency bound at half of it (bench/bench_ops.py).
-// A tile of fewer than 8 chains is bound by the FMA latency, so it takes as long as a full one:
-// float weights take up to 6 x rows a tile (12 chains), so a verify of 5 or 6 rows is one tile, not
-// a 4-row tile plus a latency-bound tile of 1 or 2 rows.
+// + Cols weight vectors + an x vector fit in the 16 AVX2 registers. Every weight vector a tile
+// loads is converted to fp32 (F16C for fp16, a shift for bf16), so each one should feed as many
+// FMAs as the registers allow, and each x vector as many weight rows: 3 weight rows x 4 x rows
+// (12 chains) for float weights. Against 2 x 6, which converted each weight vector for 2 FMAs a
+// row and loaded each x vector for 2 (bench/bench_ops.py, `skinny_linear` over SmolLM2's shapes,
+// 2 threads): fp16 weights 1.3-1.7x faster at 3-20 rows, bf16 1.1-1.4x, fp32 (bound by reading
+// its weight below ~6 rows) up to 1.15x at 8-20. An int8 weight pays a conversion per element: 4
+// weight rows give 1-2 x rows 4-8 independent FMA chains, which keeps that stream up with
+// memory; 2 x 2 chains left it latency bound at half of it. A tile of fewer than 8 chains is bound
+// by the FMA latency, so row tiles are balanced (column_tile).
 template <typename W>
 struct Tile {
-  static constexpr int kCols = 2, kRows = 6;
+  static constexpr int kCols = 3, kRows = 4;
 };
 template <>
 struct Tile<int8_t> {
   static constexpr int kCols = 4, kRows = 2;
 };
-constexpr int kMaxRows = 6, kMaxCols = 4;
+constexpr int kMaxRows = 4, kMaxCols = 4;
 
 // The inner loop on raw registers where the ISA has them: with Vectorized<float> (its loadu keeps
 // a stack buffer for partial loads) GCC stores all 8 accumulators to the stack on every k
@@ -91,7 +95,7 @@ inline float lane_sum(const Vec& v) {
 }
 
 constexpr int64_t kLineBytes = 64;
-// Each thread prefetches two tiles of weight rows ahead: ~9 KiB at K = 576 in fp32, 24 KiB at 1536.
+// Each thread prefetches two tiles of weight rows ahead: ~14 KiB at K = 576 in fp32, 36 KiB at 1536.
 template <typename W>
 constexpr int64_t kPrefetchRowsAhead = 2 * Tile<W>::kCols;
 
@@ -140,15 +144,13 @@ void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[Tile
                  const O* bias, int64_t N, O* out) {
   constexpr int C = Tile<W>::kCols, kRows = Tile<W>::kRows;
   float sums[kMaxRows][kMaxCols];
-  // As few row tiles as kRows allows, their rows balanced (7 rows: 4 + 3, not 6 + 1): the tiles
+  // As few row tiles as kRows allows, their rows balanced (5 rows: 3 + 2, not 4 + 1): the tiles
   // take turns on the weight rows in L1, and each is as slow as its latency-bound chains.
   const int64_t tiles = (M + kRows - 1) / kRows;
   for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
     const int64_t rows = M / tiles + (t < M % tiles ? 1 : 0);
     const float* xm = xf + m0 * K;
     switch (rows) {
-      case 6: if constexpr (kRows >= 6) dot_tile<6, C>(xm, K, w, pf, sums); break;
-      case 5: if constexpr (kRows >= 5) dot_tile<5, C>(xm, K, w, pf, sums); break;
       case 4: if constexpr (kRows >= 4) dot_tile<4, C>(xm, K, w, pf, sums); break;
       case 3: if constexpr (kRows >= 3) dot_tile<3, C>(xm, K, w, pf, sums); break;
       case 2: dot_tile<2, C>(xm, K, w, pf, sums); break;
