@@ -44,10 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
     g.add_argument("--adaptive", action="store_true",
                    help="choose each step's block size (up to B) from measured acceptance and step times")
-    g.add_argument("--tree-budget", type=int, default=0, metavar="N",
+    g.add_argument("--tree-budget", type=int, metavar="N",
                    help="verify a tree of N drafted tokens a step instead of a chain (the drafter's --tree-topk "
                         "best tokens at each of the B - 1 positions, grown best first; 0: a chain); with --adaptive, "
-                        "each step a chain of up to B or a tree of N, N/2 or N/4, whichever is expected to be fastest")
+                        "each step a chain of up to B or a tree of N, N/2 or N/4, whichever is expected to be "
+                        "fastest (default with --adaptive and a drafter: 4, cut to B - 1, as the server plays; "
+                        "else 0)")
     g.add_argument("--tree-topk", type=int, default=4, metavar="K", help="choices per position of a tree (default 4)")
     g.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                    help="dtype the draft model runs in (int8: int8 weights with a scale per row, bf16 activations, "
@@ -212,7 +214,7 @@ def generate(args: argparse.Namespace) -> int:
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size} (omit it for the drafter's)")
     # Checked before any model loads.
-    if args.tree_budget:
+    if args.tree_budget:  # asked for (None: the default once the block size is known)
         from sglang_dflash.engine.tree import validate_tree_options
 
         if not args.draft:
@@ -228,14 +230,19 @@ def generate(args: argparse.Namespace) -> int:
         block_size = args.block_size or drafter.max_block_size
     else:
         drafter, block_size = NoDrafter(), args.block_size or 1
-    results = Generator(target, drafter, block_size, adaptive=args.adaptive, tree_budget=args.tree_budget,
+    tree_budget = args.tree_budget
+    if tree_budget is None:
+        from sglang_dflash.engine.tree import default_tree_budget
+
+        tree_budget = default_tree_budget(block_size) if args.adaptive and args.draft else 0
+    results = Generator(target, drafter, block_size, adaptive=args.adaptive, tree_budget=tree_budget,
                         tree_topk=args.tree_topk).generate(
         args.prompt + args.prompt_ids, params, chat=not args.no_chat_template)
 
     if args.json:
         print(json.dumps({
             "target": args.target, "draft": args.draft, "block_size": block_size, "adaptive": args.adaptive,
-            "tree_budget": args.tree_budget, "tree_topk": args.tree_topk if args.tree_budget else None,
+            "tree_budget": tree_budget, "tree_topk": args.tree_topk if tree_budget else None,
             "sampling": dataclasses.asdict(params),
             "torch_threads": torch.get_num_threads(), "device": device,
             "requests": [{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "steps": r.steps,

@@ -45,16 +45,38 @@ def test_generate_json_lists_the_adaptive_block_size_decisions(tmp_path):
     target.model.save_pretrained(tmp_path / "target")
     save_draft(random_draft(target, block_size=4), tmp_path / "draft")
     proc = run_cli("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--adaptive",
-                   "--prompt-ids", "3,4,5,6", "--max-new-tokens", "24", "--stop-token-ids", str(STOP_TOKEN), "--json")
+                   "--tree-budget", "0", "--prompt-ids", "3,4,5,6", "--max-new-tokens", "24",
+                   "--stop-token-ids", str(STOP_TOKEN), "--json")
     assert proc.returncode == 0, proc.stderr
-    (req,) = json.loads(proc.stdout, parse_constant=strict_json_constant)["requests"]
+    out = json.loads(proc.stdout, parse_constant=strict_json_constant)
+    assert out["tree_budget"] == 0
+    (req,) = out["requests"]
     assert req["output_ids"] == hf_greedy(target, [3, 4, 5, 6], 24, STOP_TOKEN)
+    assert req["tree_steps"] == []
     decisions = req["block_size_decisions"]
     assert len(decisions) == req["stats"]["steps"] == len(req["steps"])
     assert sum(d["block_size"] for d in decisions) == req["stats"]["verified_tokens"]
     assert all(len(step) <= d["block_size"] for step, d in zip(req["steps"], decisions, strict=True))
     assert decisions[0]["why"] == "first try"
     assert any(len(d.get("expected_tokens", ())) == 4 and len(d["step_ms"]) == 4 for d in decisions)
+
+
+def test_adaptive_generation_plays_trees_by_default(tmp_path):
+    """As the served worker does on CPU: trees of up to DEFAULT_TREE_BUDGET nodes, cut to what the
+    block holds (B 4: 3), beside the chains; greedy output unchanged."""
+    target = tiny_target("qwen3")
+    target.model.save_pretrained(tmp_path / "target")
+    save_draft(random_draft(target, block_size=4), tmp_path / "draft")
+    proc = run_cli("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--adaptive",
+                   "--prompt-ids", "3,4,5,6", "--max-new-tokens", "40", "--stop-token-ids", str(STOP_TOKEN), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout, parse_constant=strict_json_constant)
+    assert (out["tree_budget"], out["tree_topk"]) == (3, 4)
+    (req,) = out["requests"]
+    assert req["output_ids"] == hf_greedy(target, [3, 4, 5, 6], 40, STOP_TOKEN)
+    played = [d["tree_budget"] for d in req["block_size_decisions"]]
+    assert 3 in played and 0 in played
+    assert len(req["tree_steps"]) == played.count(3)
 
 
 def test_generate_json_lists_the_tree_steps(tmp_path):

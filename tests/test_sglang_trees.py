@@ -240,19 +240,20 @@ def test_tree_settings(monkeypatch):
     monkeypatch.delenv("SGLANG_DFLASH_TREE_TOPK", raising=False)
     assert trees.tree_options(8, 100) is None
     assert not trees.tree_budget_asked()
-    # Unset: the default budget, cut to what the block holds, off below 2 nodes.
-    assert trees.tree_options(8, 100, default_budget=4) == (4, trees.DEFAULT_TREE_TOPK)
-    assert trees.tree_options(4, 100, default_budget=4) == (3, trees.DEFAULT_TREE_TOPK)
-    assert trees.tree_options(2, 100, default_budget=4) is None
+    # Unset: the engine's default budget where the block size adapts, cut to what the block
+    # holds, off below 2 nodes.
+    assert trees.tree_options(8, 100, adaptive=True) == (4, trees.DEFAULT_TREE_TOPK)
+    assert trees.tree_options(4, 100, adaptive=True) == (3, trees.DEFAULT_TREE_TOPK)
+    assert trees.tree_options(2, 100, adaptive=True) is None
     monkeypatch.setenv("SGLANG_DFLASH_TREE_TOPK", "0")  # read only where trees are on
-    assert trees.tree_options(2, 100, default_budget=4) is None
+    assert trees.tree_options(2, 100, adaptive=True) is None
     with pytest.raises(ValueError, match="SGLANG_DFLASH_TREE_TOPK=0"):
-        trees.tree_options(8, 100, default_budget=4)
+        trees.tree_options(8, 100, adaptive=True)
     monkeypatch.delenv("SGLANG_DFLASH_TREE_TOPK")
     monkeypatch.setenv("SGLANG_DFLASH_TREE_BUDGET", "0")
     assert trees.tree_budget_asked()
     assert trees.tree_options(8, 100) is None
-    assert trees.tree_options(8, 100, default_budget=4) is None  # 0 turns the default off
+    assert trees.tree_options(8, 100, adaptive=True) is None  # 0 turns the default off
     monkeypatch.setenv("SGLANG_DFLASH_TREE_BUDGET", "7")
     assert trees.tree_options(8, 100) == (7, trees.DEFAULT_TREE_TOPK)
     monkeypatch.setenv("SGLANG_DFLASH_TREE_TOPK", "2")

@@ -27,6 +27,20 @@ from sglang_dflash.ops.reference import tree_ancestors
 
 MAX_TREE_BUDGET = 256  # drafted nodes per request: the target verifies budget + 1 rows a step
 MAX_TREE_TOPK = 64  # choices per position
+# Trees of up to this many nodes beside the chains where the block size adapts and no budget is
+# asked (the served worker on CPU, `generate --adaptive`): bench_serving, SmolLM2 + the shipped
+# drafter, 1 and 4 clients, four runs (bench/results/serving_smollm2-135m_trees4_run*.json,
+# ..._trees_default*.json; the table in docs/sglang.md), and bench_e2e's adaptive rows with and
+# without them (bench/results/e2e_smollm2-135m_adaptive_trees_chain_acceptance*.json).
+DEFAULT_TREE_BUDGET = 4
+
+
+def default_tree_budget(max_block_size: int) -> int:
+    """The tree budget of an adaptive run that asks for none: DEFAULT_TREE_BUDGET cut to the
+    B - 1 drafted nodes a block of `max_block_size` holds; 0 (chains only) under 2 nodes, where a
+    tree of one node is the chain of 2."""
+    budget = min(DEFAULT_TREE_BUDGET, max_block_size - 1)
+    return budget if budget >= 2 else 0
 
 
 @dataclasses.dataclass

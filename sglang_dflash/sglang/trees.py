@@ -2,8 +2,8 @@
 
 With `SGLANG_DFLASH_TREE_BUDGET=n` a decode step may verify a tree of n drafted nodes
 (engine/tree.py: the drafter's `SGLANG_DFLASH_TREE_TOPK` best tokens per block position, grown best
-first) instead of a chain; unset, trees of up to `DEFAULT_TREE_BUDGET` nodes where the block size
-adapts (on CPU), none where it is pinned; 0 turns them off. It runs inside SGLang's own chain step
+first) instead of a chain; unset, trees of up to `engine.tree.DEFAULT_TREE_BUDGET` nodes where the
+block size adapts (on CPU), none where it is pinned; 0 turns them off. It runs inside SGLang's own chain step
 at block size n + 1, so SGLang's buffers, KV slot reservation and commit stay as they are; what
 changes:
 
@@ -40,18 +40,20 @@ import time
 
 import torch
 
-from sglang_dflash.engine.tree import MAX_TREE_TOPK, DraftTrees, build_trees, chain_accept_lens, chain_depths
+from sglang_dflash.engine.tree import (
+    MAX_TREE_TOPK,
+    DraftTrees,
+    build_trees,
+    chain_accept_lens,
+    chain_depths,
+    default_tree_budget,
+)
 
 logger = logging.getLogger(__name__)
 
 ENV_TREE_BUDGET = "SGLANG_DFLASH_TREE_BUDGET"
 ENV_TREE_TOPK = "SGLANG_DFLASH_TREE_TOPK"
 DEFAULT_TREE_TOPK = 4
-# Trees of up to this many nodes where the variable is unset and the block size adapts (so on CPU,
-# where `tree_problem` allows them): bench_serving, SmolLM2 + the shipped drafter, 1 and 4 clients,
-# four runs (bench/results/serving_smollm2-135m_trees4_run*.json, ..._trees_default*.json; the
-# table in docs/sglang.md).
-DEFAULT_TREE_BUDGET = 4
 META_INFO_KEY = "dflash_tree_nodes"  # meta_info: per output token, the drafted nodes of its step's tree (0: a chain)
 
 
@@ -60,13 +62,13 @@ def tree_budget_asked() -> bool:
     return os.environ.get(ENV_TREE_BUDGET, "").strip() != ""
 
 
-def tree_options(max_block_size: int, vocab_size: int, default_budget: int = 0) -> tuple[int, int] | None:
+def tree_options(max_block_size: int, vocab_size: int, adaptive: bool = False) -> tuple[int, int] | None:
     """(budget, top-k) from the environment, or None when trees are off. With the budget variable
-    unset, `default_budget` (0: off) cut to what the block holds; off where that is under 2 nodes
-    (a tree of one node is the chain of 2). Bad values raise one ValueError naming the variable."""
+    unset: `engine.tree.default_tree_budget` where the block size adapts, else off. Bad values
+    raise one ValueError naming the variable."""
     raw = os.environ.get(ENV_TREE_BUDGET, "").strip()
-    budget = _env_int(ENV_TREE_BUDGET, raw) if raw else min(default_budget, max_block_size - 1)
-    if raw == "0" or (not raw and budget < 2):
+    budget = _env_int(ENV_TREE_BUDGET, raw) if raw else default_tree_budget(max_block_size) if adaptive else 0
+    if budget == 0:
         return None
     topk = _env_int(ENV_TREE_TOPK, os.environ.get(ENV_TREE_TOPK, str(DEFAULT_TREE_TOPK)).strip())
     if not 1 <= budget <= max_block_size - 1:

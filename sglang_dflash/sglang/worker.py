@@ -248,12 +248,12 @@ class DFlashKernelWorker(DFlashWorkerV2):
         the start with an error naming the variable), and by default where the block size adapts;
         `init_attention_backends` then keeps them only where this worker can run them."""
         from sglang_dflash.sglang.adaptive import adaptive_wanted
-        from sglang_dflash.sglang.trees import DEFAULT_TREE_BUDGET, ServedTrees, tree_options
+        from sglang_dflash.sglang.trees import ServedTrees, tree_options
 
         self._trees = self._tree_states = None
         self._max_block_size = int(self.block_size)
         options = tree_options(self._max_block_size, int(self.model_runner.model_config.vocab_size),
-                               DEFAULT_TREE_BUDGET if adaptive_wanted() else 0)
+                               adaptive=adaptive_wanted())
         if options is not None:
             self._trees = ServedTrees(self, *options)
 
