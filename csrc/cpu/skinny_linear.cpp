@@ -39,26 +39,17 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kW = Vec::size();
 
 // Weight rows per tile (their dot products run side by side, each x vector loaded once for all)
-// and at most this many x rows per register tile, by weight type, so that Rows x Cols accumulators
-// + Cols weight vectors + an x vector fit in the 16 AVX2 registers. Every weight vector a tile
-// loads is converted to fp32 (F16C for fp16, a shift for bf16), so each one should feed as many
-// FMAs as the registers allow, and each x vector as many weight rows: 3 weight rows x 4 x rows
-// (12 chains) for float weights. Against 2 x 6, which converted each weight vector for 2 FMAs a
-// row and loaded each x vector for 2 (bench/bench_ops.py, `skinny_linear` over SmolLM2's shapes,
-// 2 threads): fp16 weights 1.3-1.7x faster at 3-20 rows, bf16 1.1-1.4x, fp32 (bound by reading
-// its weight below ~6 rows) up to 1.15x at 8-20. An int8 weight pays a conversion per element: 4
-// weight rows give 1-2 x rows 4-8 independent FMA chains, which keeps that stream up with
-// memory; 2 x 2 chains left it latency bound at half of it. A tile of fewer than 8 chains is bound
-// by the FMA latency, so row tiles are balanced (column_tile).
-template <typename W>
-struct Tile {
-  static constexpr int kCols = 3, kRows = 4;
-};
-template <>
-struct Tile<int8_t> {
-  static constexpr int kCols = 4, kRows = 2;
-};
-constexpr int kMaxRows = 4, kMaxCols = 4;
+// and at most this many x rows per register tile, so that Rows x Cols accumulators + Cols weight
+// vectors + an x vector fit in the 16 AVX2 registers. Every weight vector a tile loads is
+// converted to fp32 (F16C for fp16, a shift for bf16, two conversions for int8), so each one
+// should feed as many FMAs as the registers allow, and each x vector as many weight rows: 3 weight
+// rows x 4 x rows (12 chains). Against the tiles before (float 2 x 6, which converted each weight
+// vector for 2 FMAs a row and loaded each x vector for 2; int8 4 x 2), standalone over SmolLM2's
+// shapes on 2 threads: fp16 weights 1.3-1.7x faster at 3-20 rows, bf16 1.1-1.4x, fp32 (bound by
+// reading its weight below ~6 rows) up to 1.15x at 8-20, int8 (the drafter's) 1.1-1.2x at 3-32
+// rows and 0.85x at 1 row (3 chains, bound by the FMA latency). A tile of fewer than 8 chains is
+// latency bound, so row tiles are balanced (column_tile).
+constexpr int kCols = 3, kRows = 4;
 
 // The inner loop on raw registers where the ISA has them: with Vectorized<float> (its loadu keeps
 // a stack buffer for partial loads) GCC stores all 8 accumulators to the stack on every k
@@ -96,15 +87,15 @@ inline float lane_sum(const Vec& v) {
 
 constexpr int64_t kLineBytes = 64;
 // Each thread prefetches two tiles of weight rows ahead: ~14 KiB at K = 576 in fp32, 36 KiB at 1536.
-template <typename W>
-constexpr int64_t kPrefetchRowsAhead = 2 * Tile<W>::kCols;
+constexpr int64_t kPrefetchRowsAhead = 2 * kCols;
 
-// Rows [m0, m0 + R) of x against C weight rows w[c]: R x C dot products of length K. R and C are
-// compile-time constants so the accumulators live in registers. pf[c] are the weight rows to
-// prefetch meanwhile, one line of each per line of w[c] consumed.
-template <int R, int C, typename T>
-void dot_tile(const float* xf, int64_t K, const T* const (&w)[C], const char* const (&pf)[C],
-              float (&sums)[kMaxRows][kMaxCols]) {
+// Rows [m0, m0 + R) of x against the tile's weight rows w[c]: R x kCols dot products of length K.
+// R is a compile-time constant so the accumulators live in registers. pf[c] are the weight rows
+// to prefetch meanwhile, one line of each per line of w[c] consumed.
+template <int R, typename T>
+void dot_tile(const float* xf, int64_t K, const T* const (&w)[kCols], const char* const (&pf)[kCols],
+              float (&sums)[kRows][kCols]) {
+  constexpr int C = kCols;
   constexpr int64_t kLine = kLineBytes / sizeof(T);  // elements per cache line
   static_assert(kLine % kW == 0, "a cache line holds whole vectors");
   const int64_t k_vec = K - K % kW, k_lines = K - K % kLine;
@@ -139,11 +130,9 @@ void dot_tile(const float* xf, int64_t K, const T* const (&w)[C], const char* co
 // multiple of C: computed again, the same value stored again); each sum times its weight row's
 // scale when the weight is quantized (scale != null).
 template <typename W, typename O>
-void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[Tile<W>::kCols],
-                 const char* const (&pf)[Tile<W>::kCols], const int64_t (&n)[Tile<W>::kCols], const float* scale,
-                 const O* bias, int64_t N, O* out) {
-  constexpr int C = Tile<W>::kCols, kRows = Tile<W>::kRows;
-  float sums[kMaxRows][kMaxCols];
+void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[kCols], const char* const (&pf)[kCols],
+                 const int64_t (&n)[kCols], const float* scale, const O* bias, int64_t N, O* out) {
+  float sums[kRows][kCols];
   // As few row tiles as kRows allows, their rows balanced (5 rows: 3 + 2, not 4 + 1): the tiles
   // take turns on the weight rows in L1, and each is as slow as its latency-bound chains.
   const int64_t tiles = (M + kRows - 1) / kRows;
@@ -151,13 +140,13 @@ void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[Tile
     const int64_t rows = M / tiles + (t < M % tiles ? 1 : 0);
     const float* xm = xf + m0 * K;
     switch (rows) {
-      case 4: if constexpr (kRows >= 4) dot_tile<4, C>(xm, K, w, pf, sums); break;
-      case 3: if constexpr (kRows >= 3) dot_tile<3, C>(xm, K, w, pf, sums); break;
-      case 2: dot_tile<2, C>(xm, K, w, pf, sums); break;
-      default: dot_tile<1, C>(xm, K, w, pf, sums); break;
+      case 4: dot_tile<4>(xm, K, w, pf, sums); break;
+      case 3: dot_tile<3>(xm, K, w, pf, sums); break;
+      case 2: dot_tile<2>(xm, K, w, pf, sums); break;
+      default: dot_tile<1>(xm, K, w, pf, sums); break;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      for (int c = 0; c < C; ++c) {
+      for (int c = 0; c < kCols; ++c) {
         float sum = sums[r][c];
         if (scale != nullptr) sum *= scale[n[c]];
         if (bias != nullptr) sum += static_cast<float>(bias[n[c]]);
@@ -172,7 +161,7 @@ void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[Tile
 template <typename W, typename O>
 void stream_weight(const float* xp, int64_t M, int64_t N, int64_t K, const W* w, int64_t ldw,
                    const float* scale, const O* bias, O* out) {
-  constexpr int C = Tile<W>::kCols;
+  constexpr int C = kCols;
   const int64_t tiles = (N + C - 1) / C;
   // ~64 KiB of weight per task at K = 576, fp32: long sequential streams, enough tasks to balance.
   at::parallel_for(0, tiles, 32 / C, [&](int64_t begin, int64_t end) {
@@ -184,7 +173,7 @@ void stream_weight(const float* xp, int64_t M, int64_t N, int64_t K, const W* w,
         n[c] = std::min(t * C + c, N - 1);
         rows[c] = w + n[c] * ldw;
         // Near the end the prefetch re-touches the last rows rather than reading past the weight.
-        pf[c] = reinterpret_cast<const char*>(w + std::min(t * C + kPrefetchRowsAhead<W> + c, N - 1) * ldw);
+        pf[c] = reinterpret_cast<const char*>(w + std::min(t * C + kPrefetchRowsAhead + c, N - 1) * ldw);
       }
       column_tile(xp, M, K, rows, pf, n, scale, bias, N, out);
     }
