@@ -30,7 +30,8 @@ twice; cells move +-4 % between runs), the model with residuals made a mean 97.1
 fixed B (6 of 12 cells within 3 %), without them 96.4 % (4 of 12); that was at a residual
 prior sd of 0.05, the simulated tests favour 0.035 (fewer runs misled by a slow first spell).
 The first step at each (batch size, b) is not timed (one-off costs of a new shape); a new batch
-size starts from the nearest known batch size's model, rescaled to its first timed step.
+size plays plain steps until one is timed and starts from the nearest known batch size's model,
+its draft and row costs times the batch sizes' ratio, rescaled to that plain step.
 
 Exploration: the first batch size times the largest size (which tests every draft position), 2
 and 1 first, two steps each, in turns (one noisy step each once made a few slow early steps look
@@ -81,7 +82,11 @@ class StepTimeModel:
     step, and numpy's per-call cost was ~0.2 ms of it."""
 
     def __init__(self, max_block_size: int, first_b: int, first_seconds: float,
-                 template: StepTimeModel | None = None):
+                 template: StepTimeModel | None = None, rows_scale: float = 1.0):
+        """The model of a batch size from its first timed step (`first_b`, `first_seconds`): the
+        prior shape, or `template`'s (another batch size's) with its draft and row costs times
+        `rows_scale` (the batch sizes' ratio: a step of n requests drafts and verifies n rows a
+        block position), rescaled to that step."""
         self.max_block_size = max_block_size
         if template is None:
             prior, sds = list(_PRIOR), list(_PRIOR_SD)
@@ -90,8 +95,12 @@ class StepTimeModel:
             self.x = prior
             self.cov = [[sd * sd if i == j else 0.0 for j, _ in enumerate(sds)] for i, sd in enumerate(sds)]
             inflate = 1.0
-        else:  # another batch size's shape, rescaled below; less sure of it
-            self.x, self.cov, inflate = list(template.x), [list(row) for row in template.cov], 4.0
+        else:  # another batch size's shape, its rows scaled, all rescaled below; less sure of it
+            factor = [1.0] + [rows_scale] * (len(template.x) - 1)
+            self.x = [v * f for v, f in zip(template.x, factor, strict=True)]
+            self.cov = [[v * fi * fj for v, fj in zip(row, factor, strict=True)]
+                        for row, fi in zip(template.cov, factor, strict=True)]
+            inflate = 4.0
         scale = first_seconds / max(self.predict(first_b), 1e-12)
         self.x = [v * scale for v in self.x]
         self.cov = [[v * scale * scale * inflate for v in row] for row in self.cov]
@@ -184,6 +193,14 @@ class BlockSizeController:
             # The least timed anchor first: the sizes take turns, so a slow spell of the machine
             # falls on all of them rather than on one.
             return self._decide(min(untimed, key=lambda b: self._timings.get(b, 0)), "first try")
+        if batch_size not in self._models:
+            # A new batch size plays plain steps until one is timed (the first is not), so its
+            # model starts from its own plain step and the nearest batch size's row costs scaled
+            # by the ratio (observe). Rescaling all of that model to a first timed long block
+            # instead took rows to cost at 4 requests what they cost at 1: the plain step then
+            # looked 2.5x dearer than it was, and a served run played B = 8 at 4 requests,
+            # 113 ms a step where plain took 42.
+            return self._decide(1, "first try")
         expected, seconds = self.predictions(batch_size)
         rate = [e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True)]
         best = 1 + max(range(self.max_block_size), key=rate.__getitem__)  # smallest b on ties
@@ -209,8 +226,11 @@ class BlockSizeController:
     def _anchors(self) -> list[int]:
         return list(dict.fromkeys((self.max_block_size, min(2, self.max_block_size), 1)))
 
+    def _nearest_batch_size(self, batch_size: int) -> int:
+        return min(self._models, key=lambda n: (abs(n - batch_size), n))
+
     def _nearest_model(self, batch_size: int) -> StepTimeModel:
-        return self._models[min(self._models, key=lambda n: (abs(n - batch_size), n))]
+        return self._models[self._nearest_batch_size(batch_size)]
 
     def _decide(self, block_size: int, why: str, expected: list[float] | None = None,
                 seconds: list[float] | None = None) -> int:
@@ -245,8 +265,10 @@ class BlockSizeController:
         batch_size = len(accept_lens)
         model = self._models.get(batch_size)
         if model is None:
-            template = self._nearest_model(batch_size) if self._models else None
-            self._models[batch_size] = StepTimeModel(self.max_block_size, block_size, seconds, template)
+            nearest = self._nearest_batch_size(batch_size) if self._models else None
+            self._models[batch_size] = StepTimeModel(
+                self.max_block_size, block_size, seconds, None if nearest is None else self._models[nearest],
+                1.0 if nearest is None else batch_size / nearest)
             if self._first_batch_size is None:
                 self._first_batch_size = batch_size
         else:
