@@ -33,6 +33,7 @@ if importlib.util.find_spec("sglang") is None:
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
+from sglang_dflash.engine.tree import DEFAULT_TREE_BUDGET
 from sglang_dflash.sglang.local_server import (
     LocalServer,
     free_port,
@@ -41,7 +42,6 @@ from sglang_dflash.sglang.local_server import (
     sigterm_in_flight,
     sse_chunks,
 )
-from sglang_dflash.sglang.trees import DEFAULT_TREE_BUDGET
 
 pytestmark = pytest.mark.slow
 
