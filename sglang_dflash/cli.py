@@ -208,6 +208,7 @@ def generate(args: argparse.Namespace) -> int:
     from sglang_dflash.drafters import resolve_draft
     from sglang_dflash.engine import Generator, HFTarget, SamplingParams, load_drafter
     from sglang_dflash.engine.drafters import NoDrafter
+    from sglang_dflash.engine.tree import default_tree_budget, validate_tree_options
 
     if not args.prompt and not args.prompt_ids:
         raise ValueError("give at least one --prompt or --prompt-ids")
@@ -215,8 +216,6 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size} (omit it for the drafter's)")
     # Checked before any model loads.
     if args.tree_budget:  # asked for (None: the default once the block size is known)
-        from sglang_dflash.engine.tree import validate_tree_options
-
         if not args.draft:
             raise ValueError("--tree-budget needs a drafter (--draft)")
         validate_tree_options(args.tree_budget, args.tree_topk)
@@ -232,8 +231,6 @@ def generate(args: argparse.Namespace) -> int:
         drafter, block_size = NoDrafter(), args.block_size or 1
     tree_budget = args.tree_budget
     if tree_budget is None:
-        from sglang_dflash.engine.tree import default_tree_budget
-
         tree_budget = default_tree_budget(block_size) if args.adaptive and args.draft else 0
     results = Generator(target, drafter, block_size, adaptive=args.adaptive, tree_budget=tree_budget,
                         tree_topk=args.tree_topk).generate(

@@ -265,10 +265,11 @@ class BlockSizeController:
         batch_size = len(accept_lens)
         model = self._models.get(batch_size)
         if model is None:
-            nearest = self._nearest_batch_size(batch_size) if self._models else None
-            self._models[batch_size] = StepTimeModel(
-                self.max_block_size, block_size, seconds, None if nearest is None else self._models[nearest],
-                1.0 if nearest is None else batch_size / nearest)
+            template, rows_scale = None, 1.0
+            if self._models:
+                nearest = self._nearest_batch_size(batch_size)
+                template, rows_scale = self._models[nearest], batch_size / nearest
+            self._models[batch_size] = StepTimeModel(self.max_block_size, block_size, seconds, template, rows_scale)
             if self._first_batch_size is None:
                 self._first_batch_size = batch_size
         else:

@@ -67,7 +67,10 @@ def tree_options(max_block_size: int, vocab_size: int, adaptive: bool = False) -
     unset: `engine.tree.default_tree_budget` where the block size adapts, else off. Bad values
     raise one ValueError naming the variable."""
     raw = os.environ.get(ENV_TREE_BUDGET, "").strip()
-    budget = _env_int(ENV_TREE_BUDGET, raw) if raw else default_tree_budget(max_block_size) if adaptive else 0
+    if raw:
+        budget = _env_int(ENV_TREE_BUDGET, raw)
+    else:
+        budget = default_tree_budget(max_block_size) if adaptive else 0
     if budget == 0:
         return None
     topk = _env_int(ENV_TREE_TOPK, os.environ.get(ENV_TREE_TOPK, str(DEFAULT_TREE_TOPK)).strip())
