@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dflash.drafters import SHIPPED_DRAFTER, SHIPPED_DRAFTERS, resolve_draft
+from sglang_dflash.drafters import SHIPPED_DRAFTERS, resolve_draft
 from sglang_dflash.engine import DFlashDrafter, SamplingParams
 from sglang_dflash.engine.compare import compare
 from sglang_dflash.engine.drafters import NoDrafter
@@ -91,10 +91,11 @@ def test_lockstep_runs_equal_runs_alone_and_count_only_their_own_time():
             assert 0 < r.stats.prefill_s < r.stats.wall_s < pause * steps / 2, (r.stats.wall_s, steps)
 
 
-def test_shipped_drafter_loads_by_name():
-    assert resolve_draft(SHIPPED_DRAFTER) == SHIPPED_DRAFTERS[SHIPPED_DRAFTER]
+@pytest.mark.parametrize("name", sorted(SHIPPED_DRAFTERS))
+def test_shipped_drafter_loads_by_name(name):
+    assert resolve_draft(name) == SHIPPED_DRAFTERS[name]
     assert resolve_draft("some/dir") == Path("some/dir")
-    directory = SHIPPED_DRAFTERS[SHIPPED_DRAFTER]
+    directory = SHIPPED_DRAFTERS[name]
     assert (directory / "README.md").read_text().startswith("# ")
     draft = load_draft(directory)
     assert draft.config.hidden_size == 576 and draft.config.vocab_size == 49152
@@ -111,10 +112,10 @@ def test_every_shipped_drafter_file_is_package_data():
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
         "sglang_dflash.drafters"]
-    root = SHIPPED_DRAFTERS[SHIPPED_DRAFTER].parent
-    for path in SHIPPED_DRAFTERS[SHIPPED_DRAFTER].iterdir():
-        name = str(path.relative_to(root))
-        assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in package-data"
+    for directory in SHIPPED_DRAFTERS.values():
+        for path in directory.iterdir():
+            name = str(path.relative_to(directory.parent))
+            assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in package-data"
 
 
 def test_demo_runs_the_shipped_drafter_and_matches_plain_decoding(capsys):

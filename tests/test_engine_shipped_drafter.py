@@ -1,8 +1,8 @@
-"""The shipped drafter on the real SmolLM2-135M target, in a batch of four ragged prompts: greedy
+"""The shipped drafters on the real SmolLM2-135M target, in a batch of four ragged prompts: greedy
 output equals plain batch-1 decoding and seeded sampled output equals seeded plain batch-1
 sampling, token for token, at B=4 and at B=8 (32 verify rows a step, past the few-row path), and
-the drafter earns its keep (tau >= 1.5 at B=4 on real GSM8K and code prompts), in bf16 and with
-int8 weights."""
+the code-and-math drafter earns its keep (tau >= 1.5 at B=4 on real GSM8K and code prompts), in
+bf16 and with int8 weights; the chat drafter (int8, B=4) on the same prompts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.demo import DEMO_PROMPTS
-from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
+from sglang_dflash.drafters import CHAT_DRAFTER, SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine import Generator, SamplingParams, load_drafter
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.generator import encode_prompt
@@ -26,7 +26,8 @@ SAMPLED = SamplingParams(temperature=0.7, top_p=0.95, seed=7, max_new_tokens=MAX
 @pytest.fixture(scope="module")
 def setup():
     target = smollm2()
-    drafters = {dtype: load_drafter(resolve_draft(SHIPPED_DRAFTER), target, dtype) for dtype in ("bfloat16", "int8")}
+    drafters = {(name, dtype): load_drafter(resolve_draft(name), target, dtype)
+                for name, dtype in ((SHIPPED_DRAFTER, "bfloat16"), (SHIPPED_DRAFTER, "int8"), (CHAT_DRAFTER, "int8"))}
     with open(gsm8k_path("test")) as f:
         questions = [json.loads(line)["question"] for _, line in zip(range(2), f, strict=False)]
     prompts = [questions[0], DEMO_PROMPTS[1], questions[1], DEMO_PROMPTS[3]]
@@ -35,11 +36,12 @@ def setup():
     return target, drafters, prompts, refs
 
 
-@pytest.mark.parametrize("dtype,block_size", [("bfloat16", 4), ("bfloat16", 8), ("int8", 4)])
+@pytest.mark.parametrize("name,dtype,block_size", [(SHIPPED_DRAFTER, "bfloat16", 4), (SHIPPED_DRAFTER, "bfloat16", 8),
+                                                   (SHIPPED_DRAFTER, "int8", 4), (CHAT_DRAFTER, "int8", 4)])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded-T0.7"])
-def test_batched_speculative_equals_plain_batch_one(setup, dtype, block_size, params):
+def test_batched_speculative_equals_plain_batch_one(setup, name, dtype, block_size, params):
     target, drafters, prompts, refs = setup
-    drafter = drafters[dtype]
+    drafter = drafters[name, dtype]
     assert len({len(encode_prompt(target.tokenizer, p)) for p in prompts}) == 4  # ragged
     results = Generator(target, drafter, block_size).generate(prompts, params)
     assert [r.output_ids for r in results] == refs[params]
@@ -47,5 +49,5 @@ def test_batched_speculative_equals_plain_batch_one(setup, dtype, block_size, pa
     steps = sum(r.stats.steps for r in results)
     tau = sum(r.stats.tokens - 1 for r in results) / steps
     assert 1.0 <= tau <= block_size
-    if params is GREEDY and block_size == 4:
+    if params is GREEDY and block_size == 4 and name == SHIPPED_DRAFTER:
         assert tau >= 1.5, tau
