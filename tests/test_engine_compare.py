@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from sglang_dflash.drafters import SHIPPED_DRAFTERS, resolve_draft
 from sglang_dflash.engine import DFlashDrafter, SamplingParams
@@ -99,7 +101,12 @@ def test_shipped_drafter_loads_by_name(name):
     assert (directory / "README.md").read_text().startswith("# ")
     draft = load_draft(directory)
     assert draft.config.hidden_size == 576 and draft.config.vocab_size == 49152
-    weights_bytes = sum(p.numel() for p in draft.parameters()) * 2  # shipped in bf16: a few tens of MB
+    # The file holds the drafter's weights and nothing else (bf16 or fp32: a few tens of MB).
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        stored = [f.get_tensor(k) for k in f.keys()]
+    assert {t.dtype for t in stored} <= {torch.bfloat16, torch.float32}
+    assert sum(t.numel() for t in stored) == sum(p.numel() for p in draft.parameters())
+    weights_bytes = sum(t.nbytes for t in stored)
     assert weights_bytes <= (directory / "model.safetensors").stat().st_size <= weights_bytes + 2**16
     assert draft.draft_vocab.shape == (16384,)
 
