@@ -21,13 +21,16 @@ from tests.dflash_testlib import smollm2
 MAX_NEW = 40
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=())  # never stop early: 40 tokens each
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.95, seed=7, max_new_tokens=MAX_NEW, stop_token_ids=())
+# (drafter, weight dtype, block size): the fixture loads each (drafter, dtype) once.
+CASES = [(SHIPPED_DRAFTER, "bfloat16", 4), (SHIPPED_DRAFTER, "bfloat16", 8), (SHIPPED_DRAFTER, "int8", 4),
+         (CHAT_DRAFTER, "int8", 4)]
 
 
 @pytest.fixture(scope="module")
 def setup():
     target = smollm2()
     drafters = {(name, dtype): load_drafter(resolve_draft(name), target, dtype)
-                for name, dtype in ((SHIPPED_DRAFTER, "bfloat16"), (SHIPPED_DRAFTER, "int8"), (CHAT_DRAFTER, "int8"))}
+                for name, dtype in dict.fromkeys((name, dtype) for name, dtype, _ in CASES)}
     with open(gsm8k_path("test")) as f:
         questions = [json.loads(line)["question"] for _, line in zip(range(2), f, strict=False)]
     prompts = [questions[0], DEMO_PROMPTS[1], questions[1], DEMO_PROMPTS[3]]
@@ -36,8 +39,7 @@ def setup():
     return target, drafters, prompts, refs
 
 
-@pytest.mark.parametrize("name,dtype,block_size", [(SHIPPED_DRAFTER, "bfloat16", 4), (SHIPPED_DRAFTER, "bfloat16", 8),
-                                                   (SHIPPED_DRAFTER, "int8", 4), (CHAT_DRAFTER, "int8", 4)])
+@pytest.mark.parametrize("name,dtype,block_size", CASES)
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded-T0.7"])
 def test_batched_speculative_equals_plain_batch_one(setup, name, dtype, block_size, params):
     target, drafters, prompts, refs = setup
