@@ -76,15 +76,17 @@ class ChainOrTreeController:
         self._steps = 0
         self.last_decision: dict = {}
 
-    def choose(self, batch_size: int) -> tuple[int, int]:
+    def choose(self, batch_size: int, states: list[int] | None = None) -> tuple[int, int]:
         """(block size, tree budget) of the next step: (b, 0) a chain of b (1: plain), (B, n) a
-        tree of n drafted nodes from the drafter's block B."""
-        chain = self.chains.choose(batch_size)
+        tree of n drafted nodes from the drafter's block B. `states` (optional): the requests'
+        acceptance states (block_size.next_state)."""
+        chain = self.chains.choose(batch_size, states)
         if not self.tree_budgets or self.chains.last_decision["why"] == "first try":
             return self._chain(chain)
-        expected, seconds = self.chains.predictions(batch_size)
+        expected, seconds = self.chains.predictions(batch_size, states)
         chain_rate = max(e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True))
-        rates = {n: self.tree_tokens(n) / max(self.tree_seconds(batch_size, n), 1e-12) for n in self.tree_budgets}
+        rates = {n: self.tree_tokens(n, states) / max(self.tree_seconds(batch_size, n), 1e-12)
+                 for n in self.tree_budgets}
         best = max(self.tree_budgets, key=rates.__getitem__)
         tree_wins = rates[best] > chain_rate
         untried = next((n for n in self.tree_budgets if self._plays[n] < _TREE_TRIES), None)
@@ -124,18 +126,19 @@ class ChainOrTreeController:
         """`budget` if played, else the largest smaller budget that was (None: none)."""
         return next((n for n in reversed(self.tree_budgets) if n <= budget and played(n)), None)
 
-    def tree_tokens(self, budget: int) -> float:
-        """Expected tokens a request commits in a tree step of `budget` drafted nodes: the chain of
+    def tree_tokens(self, budget: int, states: list[int] | None = None) -> float:
+        """Expected tokens a request (of requests in `states`, if given) commits in a tree step of
+        `budget` drafted nodes: the chain of
         the tree's depth's, times the tree's measured gain over it (prior 1: the chain is in the
         tree). The gain, not the tokens, is what the tree steps teach: it changes slowly while the
         chain's acceptance follows the text, and every tree budget keeps following it between its
         own plays."""
         source = self._nearest_played(budget, lambda n: self._tokens[n][1] > 0)  # untried: a smaller one's gain
         total, weight = self._tokens[budget if source is None else source]
-        return self._chain_tokens(budget) * (total + _TOKENS_PRIOR) / (weight + _TOKENS_PRIOR)
+        return self._chain_tokens(budget, states) * (total + _TOKENS_PRIOR) / (weight + _TOKENS_PRIOR)
 
-    def _chain_tokens(self, budget: int) -> float:
-        return self.chains.expected_tokens()[min(budget, self.chains.max_block_size - 1)]
+    def _chain_tokens(self, budget: int, states: list[int] | None = None) -> float:
+        return self.chains.expected_tokens(states)[min(budget, self.chains.max_block_size - 1)]
 
     def tree_seconds(self, batch_size: int, budget: int) -> float:
         """Predicted seconds of a tree step of `budget` drafted nodes at `batch_size`: the chains'
@@ -157,19 +160,25 @@ class ChainOrTreeController:
         return (total + modelled) / (weight + 1.0) / max(modelled, 1e-12) * model(budget + 1)
 
     def observe(self, block_size: int, tree_budget: int, accept_lens: list[int], seconds: float,
-                chain_accept_lens: list[int] | None = None, chain_depths: list[int] | None = None) -> None:
+                chain_accept_lens: list[int] | None = None, chain_depths: list[int] | None = None,
+                states: list[int] | None = None) -> None:
         """One verify step of `len(accept_lens)` requests as chosen (tree_budget 0: a chain of
-        `block_size`), taking `seconds`; accept_lens[i] drafts of request i were accepted, and of a
-        tree step chain_accept_lens[i] of the chain_depths[i] drafts of the chain inside its tree
-        (None: unknown)."""
+        `block_size`), taking `seconds`; accept_lens[i] drafts of request i (in states[i], if given)
+        were accepted, and of a tree step chain_accept_lens[i] of the chain_depths[i] drafts of the
+        chain inside its tree (None: unknown)."""
         self._steps += 1
         if not tree_budget:
-            self.chains.observe(block_size, accept_lens, seconds)
+            self.chains.observe(block_size, accept_lens, seconds, states)
             return
         if tree_budget not in self._tokens:
             raise ValueError(f"tree budget {tree_budget} is not one of {self.tree_budgets}")
         self._plays[tree_budget] += 1
-        gain, chain_tokens = self._tokens[tree_budget], self._chain_tokens(tree_budget)
+        if states is not None and len(states) != len(accept_lens):
+            raise ValueError(f"{len(states)} request states for {len(accept_lens)} accept lengths")
+        gain = self._tokens[tree_budget]
+        # Each request's chain's expected tokens, before this step teaches them.
+        chain_tokens = [self._chain_tokens(tree_budget, None if states is None else [states[i]])
+                        for i in range(len(accept_lens))]
         if chain_accept_lens is not None and len(chain_accept_lens) != len(accept_lens):
             raise ValueError(f"{len(chain_accept_lens)} chain accept lengths for {len(accept_lens)} requests")
         if chain_accept_lens is not None and chain_depths is not None:
@@ -178,15 +187,15 @@ class ChainOrTreeController:
             # The chain inside a tree is the one a chain step of its depth + 1 drafts (the same
             # first choices): what it would have had accepted keeps the chains' per-position
             # acceptance current while trees play, and so every budget's expected tokens.
-            for a, depth in zip(chain_accept_lens, chain_depths, strict=True):
-                self.chains.observe_acceptance(depth + 1, [a])
+            for i, (a, depth) in enumerate(zip(chain_accept_lens, chain_depths, strict=True)):
+                self.chains.observe_acceptance(depth + 1, [a], None if states is None else [states[i]])
         for i, a in enumerate(accept_lens):
             # Tokens the tree committed against what its chain would have (paired), or against the
             # chain's expected tokens.
             if chain_accept_lens is not None:
                 tree_tokens, against = a + 1.0, chain_accept_lens[i] + 1.0
             else:
-                tree_tokens, against = (a + 1) / chain_tokens, 1.0
+                tree_tokens, against = (a + 1) / chain_tokens[i], 1.0
             gain[0], gain[1] = gain[0] * _GAIN_DECAY + tree_tokens, gain[1] * _GAIN_DECAY + against
         key = (len(accept_lens), tree_budget)
         if key not in self._seen:  # the first step at a new shape pays one-off costs: not timed

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from sglang_dflash.engine.block_size import BlockSizeController
+from sglang_dflash.engine.block_size import FIRST_STEP, BlockSizeController, next_state
 from sglang_dflash.engine.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
 from sglang_dflash.engine.drafters import DraftSampling
 from sglang_dflash.engine.target import HFTarget
@@ -262,6 +262,7 @@ class Generator:
             target.select(torch.tensor(active, device=dev))
         # Tokens the target has processed per request; the next block's anchor sits there.
         starts = {r: len(prompts[r]) for r in active}
+        states = dict.fromkeys(active, FIRST_STEP)  # acceptance states, for the adaptive controller
         with clock.paused():
             yield
 
@@ -272,7 +273,7 @@ class Generator:
             t0 = time.perf_counter()
             block, tree_budget = B, self.tree_budget
             if self.controller is not None:
-                block, tree_budget = self.controller.choose(len(active))
+                block, tree_budget = self.controller.choose(len(active), [states[r] for r in active])
                 for r in active:
                     results[r].decisions.append(self.controller.last_decision)
             deferred_s = 0.0
@@ -333,7 +334,11 @@ class Generator:
                 chains = depths = None
                 if tree_budget:
                     chains, depths = chain_accept_lens(trees, path, accept_len), chain_depths(trees)
-                self.controller.observe(block, tree_budget, accept_len, t3 - t0 - deferred_s, chains, depths)
+                self.controller.observe(block, tree_budget, accept_len, t3 - t0 - deferred_s, chains, depths,
+                                        [states[r] for r in active])
+                drafted = min(B - 1, tree_budget) + 1 if tree_budget else block  # a tree: its depth + 1
+                for b, r in enumerate(active):
+                    states[r] = next_state(states[r], drafted, accept_len[b])
             running = set(still)
             for r in active:
                 results[r].stats.draft_s += (t1 - t0) + (t3 - t2)

@@ -26,10 +26,11 @@ import logging
 import math
 import time
 import types
+import weakref
 
 import torch
 
-from sglang_dflash.engine.block_size import BlockSizeController
+from sglang_dflash.engine.block_size import FIRST_STEP, BlockSizeController, next_state
 from sglang_dflash.engine.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
 
 logger = logging.getLogger(__name__)
@@ -163,15 +164,18 @@ class AdaptiveBlockSize:
         # (batch size, block size, tree nodes) -> [steps, seconds] since the last log line
         self._chosen: dict[tuple[int, int, int], list] = collections.defaultdict(lambda: [0, 0.0])
         self._last_log = -math.inf
+        # Each request's acceptance state (block_size.next_state), dropped with the request.
+        self._request_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def run_step(self, reqs: list, step, trees=None):
         """`step()` runs one decode step of `reqs` at the chosen block size; returns its result.
         `trees`: the worker's ServedTrees where this step may be a tree, else None (a chain)."""
         batch_size = len(reqs)
+        states = [self._request_states.get(req, FIRST_STEP) for req in reqs]
         if trees is not None:
-            block_size, budget = self.controller.choose(batch_size)
+            block_size, budget = self.controller.choose(batch_size, states)
         else:
-            block_size, budget = self.controller.chains.choose(batch_size), 0
+            block_size, budget = self.controller.chains.choose(batch_size, states), 0
         rows = budget + 1 if budget else block_size
         self.states.use(rows)
         if budget:
@@ -183,9 +187,12 @@ class AdaptiveBlockSize:
         accepted = [n - 1 for n in commits]
         if trees is not None:
             chains = trees.chains_in_trees(accepted) if budget else None
-            self.controller.observe(block_size, budget, accepted, seconds, *(chains or (None, None)))
+            self.controller.observe(block_size, budget, accepted, seconds, *(chains or (None, None)), states)
         else:
-            self.controller.chains.observe(block_size, accepted, seconds)
+            self.controller.chains.observe(block_size, accepted, seconds, states)
+        drafted = min(block_size - 1, budget) + 1 if budget else block_size  # a tree: its depth + 1
+        for req, state, a in zip(reqs, states, accepted, strict=True):
+            self._request_states[req] = next_state(state, drafted, a)
         self._report(reqs, commits, rows, budget, seconds)
         return result
 
