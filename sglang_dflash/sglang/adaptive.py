@@ -171,11 +171,11 @@ class AdaptiveBlockSize:
         """`step()` runs one decode step of `reqs` at the chosen block size; returns its result.
         `trees`: the worker's ServedTrees where this step may be a tree, else None (a chain)."""
         batch_size = len(reqs)
-        states = [self._request_states.get(req, FIRST_STEP) for req in reqs]
+        acceptance_states = [self._request_states.get(req, FIRST_STEP) for req in reqs]
         if trees is not None:
-            block_size, budget = self.controller.choose(batch_size, states)
+            block_size, budget = self.controller.choose(batch_size, acceptance_states)
         else:
-            block_size, budget = self.controller.chains.choose(batch_size, states), 0
+            block_size, budget = self.controller.chains.choose(batch_size, acceptance_states), 0
         rows = budget + 1 if budget else block_size
         self.states.use(rows)
         if budget:
@@ -187,11 +187,11 @@ class AdaptiveBlockSize:
         accepted = [n - 1 for n in commits]
         if trees is not None:
             chains = trees.chains_in_trees(accepted) if budget else None
-            self.controller.observe(block_size, budget, accepted, seconds, *(chains or (None, None)), states)
+            self.controller.observe(block_size, budget, accepted, seconds, *(chains or (None, None)), acceptance_states)
         else:
-            self.controller.chains.observe(block_size, accepted, seconds, states)
+            self.controller.chains.observe(block_size, accepted, seconds, acceptance_states)
         drafted = min(block_size - 1, budget) + 1 if budget else block_size  # a tree: its depth + 1
-        for req, state, a in zip(reqs, states, accepted, strict=True):
+        for req, state, a in zip(reqs, acceptance_states, accepted, strict=True):
             self._request_states[req] = next_state(state, drafted, a)
         self._report(reqs, commits, rows, budget, seconds)
         return result
