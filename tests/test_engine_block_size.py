@@ -154,6 +154,9 @@ def test_a_requests_state_is_what_its_last_drafting_step_accepted():
     assert next_state(ALL_ACCEPTED, 2, 0) == NONE_ACCEPTED
     assert next_state(SOME_ACCEPTED, 1, 0) == SOME_ACCEPTED  # a plain step tests no draft
     assert next_state(FIRST_STEP, 1, 0) == FIRST_STEP
+    # A tree of 4 nodes from a block of 8 is at most 4 deep: the chain of 5.
+    assert next_state(FIRST_STEP, 8, 4, tree_budget=4) == ALL_ACCEPTED
+    assert next_state(FIRST_STEP, 8, 3, tree_budget=4) == SOME_ACCEPTED
 
 
 def test_acceptance_per_request_state():

@@ -88,13 +88,15 @@ _STATE_PRIOR_WEIGHT = 6.0  # tests of the pooled acceptance a request state's ow
 FIRST_STEP, NONE_ACCEPTED, SOME_ACCEPTED, ALL_ACCEPTED = range(4)
 
 
-def next_state(state: int, block_size: int, accepted: int) -> int:
-    """A request's acceptance state after a step of `block_size` (a tree's: its drafter's block) in
-    which `accepted` drafts were accepted; a plain step (block size 1) tests no draft and keeps
-    `state`."""
-    if block_size <= 1:
+def next_state(state: int, block_size: int, accepted: int, tree_budget: int = 0) -> int:
+    """A request's acceptance state after a step in which `accepted` drafts were accepted: a chain of
+    `block_size`, or with `tree_budget` a tree of that many nodes from a block of `block_size`,
+    which counts as the chain of its depth + 1. A plain step (block size 1) tests no draft and
+    keeps `state`."""
+    drafted = min(block_size - 1, tree_budget) + 1 if tree_budget else block_size
+    if drafted <= 1:
         return state
-    return NONE_ACCEPTED if accepted == 0 else ALL_ACCEPTED if accepted >= block_size - 1 else SOME_ACCEPTED
+    return NONE_ACCEPTED if accepted == 0 else ALL_ACCEPTED if accepted >= drafted - 1 else SOME_ACCEPTED
 
 
 class StepTimeModel:

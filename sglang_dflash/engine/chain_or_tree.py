@@ -176,9 +176,6 @@ class ChainOrTreeController:
         if states is not None and len(states) != len(accept_lens):
             raise ValueError(f"{len(states)} request states for {len(accept_lens)} accept lengths")
         gain = self._tokens[tree_budget]
-        # Each request's chain's expected tokens, before this step teaches them.
-        chain_tokens = [self._chain_tokens(tree_budget, None if states is None else [states[i]])
-                        for i in range(len(accept_lens))]
         if chain_accept_lens is not None and len(chain_accept_lens) != len(accept_lens):
             raise ValueError(f"{len(chain_accept_lens)} chain accept lengths for {len(accept_lens)} requests")
         if chain_accept_lens is not None and chain_depths is not None:
@@ -195,7 +192,9 @@ class ChainOrTreeController:
             if chain_accept_lens is not None:
                 tree_tokens, against = a + 1.0, chain_accept_lens[i] + 1.0
             else:
-                tree_tokens, against = (a + 1) / chain_tokens[i], 1.0
+                # (Nothing taught the chains' acceptance this step: no chain_accept_lens.)
+                chain_tokens = self._chain_tokens(tree_budget, None if states is None else [states[i]])
+                tree_tokens, against = (a + 1) / chain_tokens, 1.0
             gain[0], gain[1] = gain[0] * _GAIN_DECAY + tree_tokens, gain[1] * _GAIN_DECAY + against
         key = (len(accept_lens), tree_budget)
         if key not in self._seen:  # the first step at a new shape pays one-off costs: not timed

@@ -336,9 +336,8 @@ class Generator:
                     chains, depths = chain_accept_lens(trees, path, accept_len), chain_depths(trees)
                 self.controller.observe(block, tree_budget, accept_len, t3 - t0 - deferred_s, chains, depths,
                                         [states[r] for r in active])
-                drafted = min(B - 1, tree_budget) + 1 if tree_budget else block  # a tree: its depth + 1
                 for b, r in enumerate(active):
-                    states[r] = next_state(states[r], drafted, accept_len[b])
+                    states[r] = next_state(states[r], block, accept_len[b], tree_budget)
             running = set(still)
             for r in active:
                 results[r].stats.draft_s += (t1 - t0) + (t3 - t2)

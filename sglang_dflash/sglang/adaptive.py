@@ -190,9 +190,8 @@ class AdaptiveBlockSize:
             self.controller.observe(block_size, budget, accepted, seconds, *(chains or (None, None)), acceptance_states)
         else:
             self.controller.chains.observe(block_size, accepted, seconds, acceptance_states)
-        drafted = min(block_size - 1, budget) + 1 if budget else block_size  # a tree: its depth + 1
         for req, state, a in zip(reqs, acceptance_states, accepted, strict=True):
-            self._request_states[req] = next_state(state, drafted, a)
+            self._request_states[req] = next_state(state, block_size, a, budget)
         self._report(reqs, commits, rows, budget, seconds)
         return result
 
