@@ -1,5 +1,6 @@
-"""Accept lengths of every verify step at a fixed block size, per prompt: the data the adaptive
-block size's replay test (tests/test_engine_block_size.py) runs the controller on.
+"""Accept lengths of every verify step at a fixed block size, per prompt, and the drafter's
+confidence in each draft (its probability, in %): the data the adaptive block size's replay tests
+(tests/test_engine_block_size.py, tests/test_engine_draft_confidence.py) run the controller on.
 
     python bench/record_accept_lengths.py --dataset humaneval --samples 64 --block-size 8 \
         --out tests/data/accept_lengths_humaneval_t0_b8.json
@@ -45,15 +46,26 @@ def main() -> None:
     target = HFTarget.from_pretrained(target_dir)
     generator = Generator(target, load_drafter(draft_dir, target, args.draft_dtype), args.block_size)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    accept_lengths = []
+    propose, step_confidences = generator.drafter.propose, []
+
+    def propose_and_record(*args, **kwargs):
+        drafts, confidence = propose(*args, **kwargs, confidence=True)
+        step_confidences.append([round(100 * q) for q in confidence[0].tolist()])
+        return drafts
+
+    generator.drafter.propose = propose_and_record
+    accept_lengths, confidences = [], []
     for prompt in tqdm(load_prompts(args.dataset, args.samples, args.gsm8k), desc=args.dataset, unit="prompt"):
+        step_confidences.clear()
         result = generator.generate([prompt], params)[0]
         accept_lengths.append([len(tokens) - 1 for tokens in result.steps])  # a step commits a + 1
+        confidences.append(list(step_confidences))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "provenance": info, "target": args.target, "draft": args.draft, "draft_dtype": args.draft_dtype,
         "dataset": args.dataset, "block_size": args.block_size, "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens, "accept_lengths": accept_lengths}) + "\n")
+        "max_new_tokens": args.max_new_tokens, "accept_lengths": accept_lengths,
+        "draft_confidence_percent": confidences}) + "\n")
     steps = sum(map(len, accept_lengths))
     print(f"{args.out}: {len(accept_lengths)} prompts, {steps} steps, "
           f"tau {sum(a + 1 for run in accept_lengths for a in run) / max(steps, 1):.2f}")

@@ -12,6 +12,7 @@ import pytest
 
 from sglang_dflash.engine import DFlashDrafter, Generator, OracleDrafter, SamplingParams
 from sglang_dflash.engine.block_size import (
+    AFTER_PLAIN,
     ALL_ACCEPTED,
     FIRST_STEP,
     NONE_ACCEPTED,
@@ -152,8 +153,9 @@ def test_a_requests_state_is_what_its_last_drafting_step_accepted():
     assert next_state(FIRST_STEP, 4, 2) == SOME_ACCEPTED
     assert next_state(NONE_ACCEPTED, 4, 3) == ALL_ACCEPTED
     assert next_state(ALL_ACCEPTED, 2, 0) == NONE_ACCEPTED
-    assert next_state(SOME_ACCEPTED, 1, 0) == SOME_ACCEPTED  # a plain step tests no draft
-    assert next_state(FIRST_STEP, 1, 0) == FIRST_STEP
+    assert next_state(SOME_ACCEPTED, 1, 0) == AFTER_PLAIN  # a plain step tests no draft
+    assert next_state(FIRST_STEP, 1, 0) == AFTER_PLAIN
+    assert next_state(AFTER_PLAIN, 3, 1) == SOME_ACCEPTED
     # A tree of 4 nodes from a block of 8 is at most 4 deep: the chain of 5.
     assert next_state(FIRST_STEP, 8, 4, tree_budget=4) == ALL_ACCEPTED
     assert next_state(FIRST_STEP, 8, 3, tree_budget=4) == SOME_ACCEPTED
@@ -485,8 +487,8 @@ class ModelledStepTimes(BlockSizeController):
     which sizes it plays then follows acceptance only, not the load of the machine running the test
     (with real timings a loaded CI machine played only {1, 2, 8} of the oracle case's sizes)."""
 
-    def observe(self, block_size: int, accept_lens: list[int], seconds: float, states=None) -> None:
-        super().observe(block_size, accept_lens, 0.010 + 0.001 * block_size * len(accept_lens), states)
+    def observe(self, block_size: int, accept_lens: list[int], seconds: float, states=None, confidences=None) -> None:
+        super().observe(block_size, accept_lens, 0.010 + 0.001 * block_size * len(accept_lens), states, confidences)
 
 
 PROMPTS = [[3, 4, 5], list(range(10, 30)), [50, 60, 70, 80, 90, 11, 12], [5]]

@@ -181,10 +181,10 @@ class FreeRowsChainOrTree(ChainOrTreeController):
     trees win and get played (in place of the wall clock, where on this CPU they rarely would)."""
 
     def observe(self, block_size, tree_budget, accept_lens, seconds, chain_accept_lens=None, chain_depths=None,
-                states=None):
+                states=None, confidences=None):
         rows = tree_budget + 1 if tree_budget else block_size
         super().observe(block_size, tree_budget, accept_lens, 0.010 + 0.002 * (rows > 1) + 1e-5 * rows,
-                        chain_accept_lens, chain_depths, states)
+                        chain_accept_lens, chain_depths, states, confidences)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -17,8 +17,8 @@ little data leans on the estimate of the position before it.
 
 Acceptance comes in stretches, so each request's last step tells of its next: the acceptance is
 also estimated per request state (its first step; its last drafting step accepted none, some or
-all of its drafts), each state's estimate shrunk towards the pooled one by `_STATE_PRIOR_WEIGHT`
-tests, and a step's expected tokens are the mean over its requests' states. Replayed accept
+all of its drafts; its last step was plain), each state's estimate shrunk towards the pooled
+one by `_STATE_PRIOR_WEIGHT` tests, and a step's expected tokens are the mean over its requests' states. Replayed accept
 lengths of the shipped drafter (B = 8, greedy, 64 prompts a set) give, at B = 4, 1.64 expected
 tokens on HumanEval after a step that accepted nothing and 2.57 after one that accepted 3+; a first
 step, which often repeats code from the prompt, accepts 6.7 of 7 drafts there (B = 8 is its best
@@ -26,7 +26,22 @@ size, where B = 4 is everyone else's). Replayed at this CPU's measured step cost
 the states lift the controller from 0.976 to 0.988 of the best fixed size's rate on HumanEval
 (tests/test_engine_block_size.py) and change it by less than 0.5 % on GSM8K and MT-Bench, whose
 states differ less (the shrinkage weight: 4 gave HumanEval 0.99 but GSM8K's worst runs 1 % less,
-16 gave up half of HumanEval's gain).
+16 gave up half of HumanEval's gain). A plain step tests no draft, so an estimate that noise put
+too low stays low while plain steps play: plain is chosen only when predicted `_PLAIN_MARGIN`
+faster than the best drafting size, and after a plain step a request is in a state of its own
+(MT-Bench, greedy, where B = 2 makes 7-9 % more than plain: with the state kept, a run had its
+acceptance after a rejected step at 0.12 where the drafts made 0.19, and played plain steps on
+half of its steps; with the state of its own, on 14 %).
+
+Verify length: DFlash drafts a block's positions in one pass, so every draft's probability is known
+before the target verifies any, and a sure draft is accepted far more often than an unsure one
+(draft_confidence.py). A step at a chosen b >= 3 drafts b + 1 positions (a draft row costs ~0.2 ms
+here, a verify row 1-3 ms) and `verify_length` verifies the rows whose expected tokens, from the
+calibrated confidences, pay for their time at the best chain's predicted rate. The drafts left
+unverified still count for the per-position acceptance, with their calibrated acceptance, so it
+stays the acceptance of every draft rather than of the confident ones. On HumanEval, greedy, side
+by side with the same controller without it: 0.998 against 0.975 of the best fixed size's
+speedup, tau 2.07 at a mean 3.1 rows verified against 2.07 at 4.3.
 
 Step time: `StepTimeModel`, one per batch size. A CPU step's time varies +-20 % from step to step
 and drifts with the machine and the context length, so separate medians per block size (the
@@ -69,6 +84,8 @@ step is a lossless verify.
 
 from __future__ import annotations
 
+from sglang_dflash.engine.draft_confidence import ConfidenceCalibration
+
 # Kalman filter noise: step-to-step jitter of one step (R, relative to its time), and how far per
 # step the parameters may drift (Q): all of them together by a common factor (a slower machine
 # slows every part of a step), and each on its own a little (relative to the base time).
@@ -82,20 +99,23 @@ _OUTLIER_SIGMAS = 2.5  # a step further than this from the prediction counts as 
 _PRIOR = (1.0, 0.2, 0.05)  # base, jump, slope relative to base before any contrast
 _PRIOR_SD = (0.5, 0.3, 0.1)  # ... and how unsure of them (relative to base)
 _RESIDUAL_PRIOR_SD = 0.035  # how far a size's time may sit off the line (relative to base)
+_PLAIN_MARGIN = 0.03  # a plain step is chosen only when predicted this much faster than drafting
 _STATE_PRIOR_WEIGHT = 6.0  # tests of the pooled acceptance a request state's own estimate starts from
 
-# A request's acceptance state: what its last drafting step says of its next one.
-FIRST_STEP, NONE_ACCEPTED, SOME_ACCEPTED, ALL_ACCEPTED = range(4)
+# A request's acceptance state: what its last step says of its next one.
+FIRST_STEP, NONE_ACCEPTED, SOME_ACCEPTED, ALL_ACCEPTED, AFTER_PLAIN = range(5)
 
 
 def next_state(state: int, block_size: int, accepted: int, tree_budget: int = 0) -> int:
     """A request's acceptance state after a step in which `accepted` drafts were accepted: a chain of
     `block_size`, or with `tree_budget` a tree of that many nodes from a block of `block_size`,
-    which counts as the chain of its depth + 1. A plain step (block size 1) tests no draft and
-    keeps `state`."""
+    which counts as the chain of its depth + 1. After a plain step (block size 1), which tests no
+    draft: AFTER_PLAIN. Were the state kept instead, a request whose drafts were all rejected
+    once, in a state where plain steps win, would stay in it step after step, stale: MT-Bench,
+    greedy, chose plain steps for half of all steps (where B = 2 makes 7 % more than plain)."""
     drafted = min(block_size - 1, tree_budget) + 1 if tree_budget else block_size
     if drafted <= 1:
-        return state
+        return AFTER_PLAIN
     return NONE_ACCEPTED if accepted == 0 else ALL_ACCEPTED if accepted >= drafted - 1 else SOME_ACCEPTED
 
 
@@ -182,6 +202,7 @@ class BlockSizeController:
         self._timings: dict[int, int] = {}  # block size -> steps timed at that batch size
         self._steps = 0
         self.last_decision: dict = {}  # why the last choose() chose what it chose (for --json / logs)
+        self.confidence = ConfidenceCalibration()  # acceptance by draft probability (verify_length)
 
     def acceptance(self, state: int | None = None) -> list[float]:
         """Estimated p_k, k = 1..max_block_size - 1: P(draft k accepted | drafts before it were),
@@ -250,6 +271,13 @@ class BlockSizeController:
         expected, seconds = self.predictions(batch_size, states)
         rate = [e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True)]
         best = 1 + max(range(self.max_block_size), key=rate.__getitem__)  # smallest b on ties
+        if best == 1 and self.max_block_size > 1:
+            # A plain step tests no draft, so an estimate of acceptance that noise put too low
+            # is never corrected while plain steps play, where one too high is by the next
+            # draft: plain must win by _PLAIN_MARGIN.
+            drafting = 2 + max(range(self.max_block_size - 1), key=lambda i: rate[i + 1])
+            if rate[drafting - 1] >= (1.0 - _PLAIN_MARGIN) * rate[0]:
+                best = drafting
         if self._steps % self.explore_every == self.explore_every - 1:
             # b* + 1, except: b* // 2 every 4th turn (every 2nd at the largest size, where there is
             # no b* + 1), and a plain step two turns later when b* // 2 is none.
@@ -268,6 +296,41 @@ class BlockSizeController:
             # differences of noisy estimates, so it is played 4x as often as an exploration.
             return self._decide(close[(self._steps // every) % len(close)], "close", expected, seconds)
         return self._decide(best, "best", expected, seconds)
+
+    def draft_size(self, block_size: int) -> int:
+        """How many block positions a step at the chosen `block_size` drafts: one more (at most
+        max_block_size), of which `verify_length` keeps the ones worth verifying; `block_size`
+        itself while the first tries time their sizes, and for blocks of 1 or 2 (a block of 2
+        verifies both its rows anyway: one more draft could only lengthen it, and on MT-Bench,
+        greedy, where B = 2 is best, drafting 3 cost 1-2 % more than it gained)."""
+        if block_size <= 2 or self.last_decision.get("why") == "first try":
+            return block_size
+        return min(block_size + 1, self.max_block_size)
+
+    def verify_length(self, batch_size: int, confidences: list[list[float]],
+                      states: list[int] | None = None) -> int:
+        """The rows L of a drafted block to verify: the anchor and the first L - 1 drafts, where
+        confidences[i] holds the draft probabilities of request i's drafts (D - 1 each, a block of
+        D drafted). L in [2, D] maximises the expected tokens the step commits (calibrated from the
+        confidences) less what its seconds are worth at the best chain's predicted rate: a row is
+        verified when its expected tokens pay for its time. While the first tries time their sizes:
+        D."""
+        if len(confidences) != batch_size:
+            raise ValueError(f"{len(confidences)} requests' draft confidences for a batch of {batch_size}")
+        drafted = len(confidences[0]) + 1
+        if any(len(q) != drafted - 1 for q in confidences):
+            raise ValueError(f"draft confidences of unequal lengths {sorted({len(q) for q in confidences})}")
+        if not 2 <= drafted <= self.max_block_size:
+            raise ValueError(f"{drafted - 1} draft confidences per request: the block must be in "
+                             f"[2, {self.max_block_size}]")
+        if drafted == 2 or self.last_decision.get("why") == "first try":
+            return drafted
+        expected, seconds = self.predictions(batch_size, states)
+        rate = max(e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True))
+        per_request = [self.confidence.expected_tokens(q) for q in confidences]
+        value = [sum(e[rows - 1] for e in per_request) / batch_size - rate * seconds[rows - 1]
+                 for rows in range(1, drafted + 1)]
+        return max(range(2, drafted + 1), key=lambda rows: value[rows - 1])  # the fewest rows on ties
 
     def _anchors(self) -> list[int]:
         return list(dict.fromkeys((self.max_block_size, min(2, self.max_block_size), 1)))
@@ -296,21 +359,53 @@ class BlockSizeController:
             raise ValueError(f"block_size {block_size} is outside [1, {self.max_block_size}]")
         if states is not None and len(states) != len(accept_lens):
             raise ValueError(f"{len(states)} request states for {len(accept_lens)} accept lengths")
-        blank = self.max_block_size - 1
         for i, a in enumerate(accept_lens):
-            counts = [(self._tested, self._accepted)]
-            if states is not None:
-                counts.append(self._by_state.setdefault(states[i], ([0.0] * blank, [0.0] * blank)))
-            for tested, accepted in counts:
-                for k in range(min(a + 1, block_size - 1)):
-                    tested[k] = tested[k] * self.decay + 1.0
-                    accepted[k] = accepted[k] * self.decay + float(k < a)
+            for k in range(min(a + 1, block_size - 1)):
+                self._count(k, 1.0, float(k < a), None if states is None else states[i])
+
+    def _count(self, k: int, tests: float, accepted: float, state: int | None) -> None:
+        """`tests` tests of draft k + 1 (a weight: 1 for a verified draft), `accepted` of them
+        accepted, pooled and in the request's `state`."""
+        blank = self.max_block_size - 1
+        counts = [(self._tested, self._accepted)]
+        if state is not None:
+            counts.append(self._by_state.setdefault(state, ([0.0] * blank, [0.0] * blank)))
+        forget = self.decay ** tests
+        for tested, accepted_counts in counts:
+            tested[k] = tested[k] * forget + tests
+            accepted_counts[k] = accepted_counts[k] * forget + accepted
+
+    def _observe_confidences(self, block_size: int, accept_lens: list[int], confidences: list[list[float]],
+                             states: list[int] | None) -> None:
+        """The verified drafts teach the calibration; the drafted but unverified ones of a request
+        whose verified drafts were all accepted count as tests with their calibrated acceptance.
+        Without them the per-position acceptance would be learned only from the drafts
+        `verify_length` kept, those of high confidence, and overestimated (replayed: the
+        controller made 0.3-0.7 % less of the best fixed size's rate)."""
+        if len(confidences) != len(accept_lens):
+            raise ValueError(f"{len(confidences)} requests' draft confidences for {len(accept_lens)} accept lengths")
+        for i, (a, q) in enumerate(zip(accept_lens, confidences, strict=True)):
+            if len(q) < block_size - 1 or len(q) > self.max_block_size - 1:
+                raise ValueError(f"{len(q)} draft confidences for a verified block of {block_size}")
+            for k in range(min(a + 1, block_size - 1)):
+                self.confidence.observe(q[k], k < a)
+            if a < block_size - 1:
+                continue
+            reached = 1.0  # the chance the drafts before position k would all have been accepted
+            for k in range(block_size - 1, len(q)):
+                p = self.confidence.acceptance(q[k])
+                self._count(k, reached, reached * p, None if states is None else states[i])
+                reached *= p
 
     def observe(self, block_size: int, accept_lens: list[int], seconds: float,
-                states: list[int] | None = None) -> None:
+                states: list[int] | None = None, confidences: list[list[float]] | None = None) -> None:
         """One verify step of `len(accept_lens)` requests at `block_size`, taking `seconds`;
-        accept_lens[i] drafts of request i (in states[i], if given) were accepted."""
+        accept_lens[i] drafts of request i (in states[i], if given) were accepted. `confidences`
+        (a step that drafted more than it verified, verify_length): each request's draft
+        probabilities of all its drafts."""
         self.observe_acceptance(block_size, accept_lens, states)
+        if confidences is not None:
+            self._observe_confidences(block_size, accept_lens, confidences, states)
         self._steps += 1
         key = (len(accept_lens), block_size)
         if key not in self._seen:  # the first step at a new shape pays one-off costs: not timed

@@ -161,14 +161,15 @@ class ChainOrTreeController:
 
     def observe(self, block_size: int, tree_budget: int, accept_lens: list[int], seconds: float,
                 chain_accept_lens: list[int] | None = None, chain_depths: list[int] | None = None,
-                states: list[int] | None = None) -> None:
+                states: list[int] | None = None, confidences: list[list[float]] | None = None) -> None:
         """One verify step of `len(accept_lens)` requests as chosen (tree_budget 0: a chain of
         `block_size`), taking `seconds`; accept_lens[i] drafts of request i (in states[i], if given)
         were accepted, and of a tree step chain_accept_lens[i] of the chain_depths[i] drafts of the
-        chain inside its tree (None: unknown)."""
+        chain inside its tree (None: unknown). `confidences`: a chain step's draft probabilities
+        (BlockSizeController.observe)."""
         self._steps += 1
         if not tree_budget:
-            self.chains.observe(block_size, accept_lens, seconds, states)
+            self.chains.observe(block_size, accept_lens, seconds, states, confidences)
             return
         if tree_budget not in self._tokens:
             raise ValueError(f"tree budget {tree_budget} is not one of {self.tree_budgets}")

@@ -85,7 +85,10 @@ class DFlashDrafter:
         return self.model.logits(hidden, self.lm_head_weight, self.lm_head_scale)
 
     def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int,
-                sampling: DraftSampling | None = None) -> torch.Tensor:
+                sampling: DraftSampling | None = None, confidence: bool = False):
+        """The drafts of block positions 1..block_size - 1 per request, int64 [bs, block_size - 1];
+        with `confidence`, also each draft's probability under the drafter's distribution at the
+        verify's temperature (greedy: at 1), float32 of the same shape (draft_confidence.py)."""
         logits = self._draft_logits(reqs, anchors, block_size)
         if sampling is None or sampling.temperature <= 0:
             # max(-1).indices: torch's CPU argmax over bf16 rows is ~3x slower (0.1 ms a step).
@@ -100,7 +103,13 @@ class DFlashDrafter:
             verify_rows = torch.arange(k, device=logits.device).repeat(bs)
             drafts = gumbel_argmax(scores, self.vocab, sampling.seed, sampling.offsets.repeat_interleave(k),
                                    verify_rows).view(bs, k)
-        return drafts if self.vocab is None else self.vocab[drafts]
+        ids = drafts if self.vocab is None else self.vocab[drafts]
+        if not confidence:
+            return ids
+        scores = logits.float()
+        if sampling is not None and sampling.temperature > 0:
+            scores = scores / sampling.temperature
+        return ids, (scores.gather(-1, drafts[..., None]).squeeze(-1) - scores.logsumexp(-1)).exp()
 
     def propose_candidates(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, depth: int, topk: int,
                            sampling: DraftSampling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +215,8 @@ class OracleDrafter(NoDrafter):
         self._gen = torch.Generator().manual_seed(seed)
 
     def propose(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, block_size: int,
-                sampling: DraftSampling | None = None) -> torch.Tensor:
+                sampling: DraftSampling | None = None, confidence: bool = False):
+        """With `confidence`, also each draft's chance to be right, 1 - corrupt."""
         drafts = torch.zeros(len(reqs), block_size - 1, dtype=torch.int64)
         for b, (r, p) in enumerate(zip(reqs, starts.tolist(), strict=True)):
             ref = self.references[r][p + 1:p + block_size]
@@ -214,4 +224,5 @@ class OracleDrafter(NoDrafter):
         if self.corrupt > 0:
             flip = torch.rand(drafts.shape, generator=self._gen) < self.corrupt
             drafts = torch.where(flip, (drafts + 1) % self.vocab_size, drafts)
-        return drafts.to(anchors.device)
+        drafts = drafts.to(anchors.device)
+        return (drafts, torch.full(drafts.shape, 1.0 - self.corrupt, device=anchors.device)) if confidence else drafts

@@ -94,7 +94,8 @@ class GenerationResult:
     stats: RequestStats
     text: str | None = None
     # With an adaptive block size, one entry per verify step: the block size and why the controller
-    # chose it (its expected tokens and step times per size, block_size.py).
+    # chose it (its expected tokens and step times per size, block_size.py); for a drafting chain
+    # step also the positions drafted and the rows verified (verify_length).
     decisions: list[dict] = dataclasses.field(default_factory=list)
     # With a tree budget, one entry per verify step: the tree's nodes and the accepted path (node
     # indices, root first).
@@ -272,10 +273,10 @@ class Generator:
             offsets = next_offsets(active)
             t0 = time.perf_counter()
             block, tree_budget = B, self.tree_budget
+            step_states = [states[r] for r in active]
             if self.controller is not None:
-                block, tree_budget = self.controller.choose(len(active), [states[r] for r in active])
-                for r in active:
-                    results[r].decisions.append(self.controller.last_decision)
+                block, tree_budget = self.controller.choose(len(active), step_states)
+                decision = self.controller.last_decision
             deferred_s = 0.0
             if block > 1 or tree_budget:
                 # The context appends the drafter deferred through plain steps: their cost belongs
@@ -295,8 +296,17 @@ class Generator:
                                                              *sampling_args(len(active)), offsets)
                 rows_verified = trees.tokens.shape[1]
             else:
-                candidates = anchors[:, None]
-                if block > 1:
+                candidates, confidences = anchors[:, None], None
+                drafted = block if self.controller is None else self.controller.chains.draft_size(block)
+                if self.controller is not None and drafted > 2:
+                    # Draft one position more than the chosen block, verify what the drafts'
+                    # confidences say pays (block_size.py, draft_size and verify_length).
+                    drafts, confidence = drafter.propose(active, anchors, start_t, drafted, sampling, confidence=True)
+                    confidences = confidence.tolist()
+                    block = self.controller.chains.verify_length(len(active), confidences, step_states)
+                    decision = dict(decision, drafted=drafted, verified=block)
+                    candidates = torch.cat([candidates, drafts[:, :block - 1]], dim=1)
+                elif block > 1:
                     candidates = torch.cat([candidates, drafter.propose(active, anchors, start_t, block, sampling)],
                                            dim=1)
                 t1 = time.perf_counter()
@@ -304,6 +314,9 @@ class Generator:
                 accept_len_t, _, out_tokens = sample(candidates, logits, active, offsets)
                 rows_verified = block
             accept_len, out_tokens = accept_len_t.tolist(), out_tokens.tolist()
+            if self.controller is not None:
+                for r in active:
+                    results[r].decisions.append(decision)
             check_device_errors(dev)  # a bad index a CUDA kernel met this step (the sync is done)
 
             still, keep_rows = [], []
@@ -335,7 +348,7 @@ class Generator:
                 if tree_budget:
                     chains, depths = chain_accept_lens(trees, path, accept_len), chain_depths(trees)
                 self.controller.observe(block, tree_budget, accept_len, t3 - t0 - deferred_s, chains, depths,
-                                        [states[r] for r in active])
+                                        step_states, None if tree_budget else confidences)
                 for b, r in enumerate(active):
                     states[r] = next_state(states[r], block, accept_len[b], tree_budget)
             running = set(still)
