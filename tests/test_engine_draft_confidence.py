@@ -1,6 +1,6 @@
-"""Drafts verified by their confidence: the calibration of draft probabilities to acceptance, the
-verify length the adaptive block size picks from them, and the per-position acceptance it keeps
-unbiased although the low-confidence drafts go unverified."""
+"""Drafts verified by their confidence: the drafter's probability of each draft, the calibration of
+draft probabilities to acceptance, the verify length the adaptive block size picks from them, and
+the per-position acceptance it keeps unbiased although the low-confidence drafts go unverified."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import math
 import random
 
 import pytest
+import torch
 
+from sglang_dflash.engine import DFlashDrafter
 from sglang_dflash.engine.block_size import BlockSizeController
 from sglang_dflash.engine.draft_confidence import ConfidenceCalibration
+from sglang_dflash.engine.drafters import DraftSampling
+from tests.dflash_testlib import random_draft, tiny_target
 
 
 def test_calibration_starts_at_the_draft_probability_and_learns_the_acceptance():
@@ -128,3 +132,32 @@ def test_unverified_drafts_keep_the_per_position_acceptance_unbiased():
     assert deep_mean(counted) == pytest.approx(0.5, abs=0.06)
     assert deep_mean(verified_only) > deep_mean(counted) + 0.08
     assert mean_size(verified_only) > mean_size(counted) + 0.5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("restricted_vocab", [False, True])
+def test_propose_reports_each_drafts_probability_at_the_verify_temperature(temperature, restricted_vocab):
+    """The drafts are the same with or without confidences, and each confidence is the softmax of
+    the draft logits at the temperature (greedy: at 1) at that draft, within the draft vocabulary."""
+    target = tiny_target("qwen3")
+    draft = random_draft(target)
+    if restricted_vocab:
+        draft.draft_vocab = torch.arange(0, target.vocab_size, 3)
+    drafter = DFlashDrafter(draft, target)
+    prompts = [[3, 9, 14, 22, 5], [5, 6, 40, 41]]
+    target.set_taps(draft.config.target_layer_ids)
+    _, taps = target.prefill(prompts)
+    drafter.start(taps, [64, 64])
+    anchors, starts = torch.tensor([22, 41]), torch.tensor([5, 4])
+    sampling = DraftSampling(temperature, 7, torch.tensor([11 << 32, 12 << 32])) if temperature else None
+    with torch.no_grad():
+        alone = drafter.propose([0, 1], anchors, starts, 6, sampling)
+        drafts, confidence = drafter.propose([0, 1], anchors, starts, 6, sampling, confidence=True)
+        logits = drafter._draft_logits([0, 1], anchors, 6).float()
+    assert torch.equal(drafts, alone)
+    probabilities = (logits / (temperature or 1.0)).softmax(-1)
+    index = drafts if drafter.vocab is None else torch.searchsorted(drafter.vocab, drafts)
+    expected = probabilities.gather(-1, index[..., None]).squeeze(-1)
+    assert confidence.shape == drafts.shape and confidence.dtype == torch.float32
+    torch.testing.assert_close(confidence, expected, rtol=1e-5, atol=1e-6)
+    assert float(confidence.min()) > 0.0 and float(confidence.max()) <= 1.0

@@ -90,7 +90,8 @@ class DFlashDrafter:
         with `confidence`, also each draft's probability under the drafter's distribution at the
         verify's temperature (greedy: at 1), float32 of the same shape (draft_confidence.py)."""
         logits = self._draft_logits(reqs, anchors, block_size)
-        if sampling is None or sampling.temperature <= 0:
+        sampled = sampling is not None and sampling.temperature > 0
+        if not sampled:
             # max(-1).indices: torch's CPU argmax over bf16 rows is ~3x slower (0.1 ms a step).
             drafts = logits.max(-1).indices
         else:
@@ -106,9 +107,8 @@ class DFlashDrafter:
         ids = drafts if self.vocab is None else self.vocab[drafts]
         if not confidence:
             return ids
-        scores = logits.float()
-        if sampling is not None and sampling.temperature > 0:
-            scores = scores / sampling.temperature
+        # The sampled drafts' scores are already the logits at the temperature, in float32.
+        scores = scores.view(logits.shape) if sampled else logits.float()
         return ids, (scores.gather(-1, drafts[..., None]).squeeze(-1) - scores.logsumexp(-1)).exp()
 
     def propose_candidates(self, reqs: list[int], anchors: torch.Tensor, starts: torch.Tensor, depth: int, topk: int,
