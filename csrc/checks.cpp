@@ -314,10 +314,10 @@ void check_verify_tree_values(const at::Tensor& parents, const at::Tensor& depth
   }
 }
 
-LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weight,
-                                     const std::optional<at::Tensor>& bias,
-                                     const std::optional<at::Tensor>& weight_scale) {
-  const char* op = "skinny_linear";
+namespace {
+
+LinearShape check_linear_args(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& weight_scale) {
   check_rank(op, "weight", weight, 2, "[N, K]");
   SGLD_CHECK(x.dim() >= 1, op, "x must have at least 1 dimension [..., K], got a scalar");
   SGLD_CHECK(x.size(-1) == weight.size(1), op, "x.shape[-1] must be K = weight.shape[1] = ",
@@ -349,6 +349,24 @@ LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weig
   int64_t rows = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   return {rows, weight.size(0), weight.size(1)};
+}
+
+}  // namespace
+
+LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias,
+                                     const std::optional<at::Tensor>& weight_scale) {
+  return check_linear_args("skinny_linear", x, weight, bias, weight_scale);
+}
+
+LinearShape check_w8a8_linear_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                                   const std::optional<at::Tensor>& bias) {
+  const char* op = "w8a8_linear";
+  SGLD_CHECK(weight.scalar_type() == at::kChar, op, "weight must be int8 (quantize_rows), got ", weight.scalar_type());
+  const auto shape = check_linear_args(op, x, weight, bias, weight_scale);
+  SGLD_CHECK(shape.in <= kW8a8MaxK, op, "K = weight.shape[1] must be <= ", kW8a8MaxK,
+             " (the int32 sums of K products of two int8 values), got ", shape.in);
+  return shape;
 }
 
 GumbelArgmaxShape check_gumbel_argmax_args(const at::Tensor& scores, const std::optional<at::Tensor>& ids,

@@ -59,6 +59,14 @@ at::Tensor skinny_linear_meta(const at::Tensor& x, const at::Tensor& weight,
   return at::empty(sizes, x.options());
 }
 
+at::Tensor w8a8_linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                            const std::optional<at::Tensor>& bias) {
+  check_w8a8_linear_args(x, weight, weight_scale, bias);
+  auto sizes = x.sizes().vec();
+  sizes.back() = weight.size(0);
+  return at::empty(sizes, x.options());
+}
+
 at::Tensor gumbel_argmax_meta(const at::Tensor& scores, const std::optional<at::Tensor>& ids, int64_t /*seed*/,
                               const at::Tensor& offsets, const at::Tensor& rows) {
   const auto shape = check_gumbel_argmax_args(scores, ids, offsets, rows);
@@ -91,6 +99,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, Meta, m) {
   m.impl("verify_block_from_ids", &sglang_dflash::verify_block_from_ids_meta);
   m.impl("verify_tree_from_ids", &sglang_dflash::verify_tree_from_ids_meta);
   m.impl("skinny_linear", &sglang_dflash::skinny_linear_meta);
+  m.impl("w8a8_linear", &sglang_dflash::w8a8_linear_meta);
   m.impl("gumbel_argmax", &sglang_dflash::gumbel_argmax_meta);
   m.impl("materialize_context_kv", &sglang_dflash::materialize_context_kv_meta);
   m.impl("rms_norm_rope", &sglang_dflash::rms_norm_rope_meta);

@@ -22,6 +22,8 @@ TORCH_LIBRARY(sglang_dflash, m) {
       "verify_tree_from_ids(Tensor tokens, Tensor parents, Tensor depths, Tensor target_ids) -> "
       "(Tensor accept_len, Tensor path, Tensor out_tokens)");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias=None) -> Tensor");
+  m.def("int8_dot_isa() -> str", &sglang_dflash::cpu::int8_dot_isa);
   m.def("gumbel_argmax(Tensor scores, Tensor? ids, int seed, Tensor offsets, Tensor rows) -> Tensor");
   m.def(
       "materialize_context_kv(Tensor ctx, Tensor[] kv_weights, Tensor[]? kv_biases, Tensor[] k_norm_weights, "
@@ -38,6 +40,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
   m.impl("verify_block_from_ids", &sglang_dflash::cpu::verify_block_from_ids);
   m.impl("verify_tree_from_ids", &sglang_dflash::cpu::verify_tree_from_ids);
   m.impl("skinny_linear", &sglang_dflash::cpu::skinny_linear);
+  m.impl("w8a8_linear", &sglang_dflash::cpu::w8a8_linear);
   m.impl("gumbel_argmax", &sglang_dflash::cpu::gumbel_argmax);
   m.impl("materialize_context_kv", &sglang_dflash::cpu::materialize_context_kv);
   m.impl("rms_norm_rope", &sglang_dflash::cpu::rms_norm_rope);

@@ -25,7 +25,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod  # noqa: E402
 
 from sglang_dflash.models.skinny import Int8Linear  # noqa: E402
-from sglang_dflash.ops.testing import skinny_linear_error_ratio  # noqa: E402
+from sglang_dflash.ops.testing import int8_linear_is_right, skinny_linear_error_ratio  # noqa: E402
 from sglang_dflash.sglang.cpu import _unquantized_linear_around  # noqa: E402
 from sglang_dflash.sglang.draft_int8 import ATTR, int8_wanted, int8_weight, quantize_draft_linears  # noqa: E402
 
@@ -72,7 +72,7 @@ def test_draft_linears_get_int8_copies_that_the_linear_hook_runs(dtype):
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = _unquantized_linear_around(original, layer.quant_method, layer, x)
     assert not calls and out.dtype == dtype and out.shape == (3, 48)
-    assert skinny_linear_error_ratio(out, x, q, None, scale).max() <= 1  # the int8 weight, not the float one
+    assert int8_linear_is_right(out, x, q, None, scale)  # the int8 weight, not the float one
     plain = _Linear(8, 32, dtype, torch.Generator().manual_seed(2))
     out = _unquantized_linear_around(original, plain.quant_method, plain, x)
     assert not calls and skinny_linear_error_ratio(out, x, plain.weight, None).max() <= 1  # no copy: float

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace sglang_dflash::cpu {
@@ -34,6 +35,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_from_ids(const at::Te
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& weight_scale);
+
+// out [..., N] = x [..., K] quantized to int8 per row @ weight int8 [N, K]^T, exact int32 sums
+// times the row's scale and weight_scale [N] (+ bias [N]); AVX512-VNNI where the CPU has it.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                       const std::optional<at::Tensor>& bias);
+
+// Which int8 dot product w8a8_linear runs on this CPU: "avx512_vnni" or "portable".
+std::string int8_dot_isa();
 
 // Per row r: the column j maximizing scores[r, j] + the Gumbel noise verify_block draws for token
 // ids[j] (j when ids is None) in verify row rows[r] under (seed, offsets[r]); lowest j on ties.

@@ -5,21 +5,26 @@ the kernel reads each weight once instead of BLAS packing it, and it is batch in
 verify pass computes in its linear layers bit for bit what plain decoding computes token by
 token. Larger inputs (prefill, training), other devices and autograd keep torch's own linear.
 
-`Int8Linear` holds its weight in int8 with one scale per row (weight-only quantization): a step
-that is bound by reading weights reads half the bytes of bf16. Only drafts use it (a draft never
-changes the output, only how often it is accepted).
+`Int8Linear` holds its weight in int8 with one scale per row: a step that is bound by reading
+weights reads half the bytes of bf16. On a CPU with AVX512-VNNI its activations are quantized to
+int8 per row as well (`w8a8_linear`), since with fp32 arithmetic the int8 weights' conversions and
+FMAs bound the drafter's step, not its bytes; elsewhere it is weight-only (`skinny_linear`). Only
+drafts use it (a draft never changes the output, only how often it is accepted).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_dflash.ops import runs_ours, skinny_linear
+from sglang_dflash.ops import int8_dot_isa, runs_ours, skinny_linear, w8a8_linear
 
 MAX_ROWS = 16  # above this the weight is reused enough for BLAS to win (fp32, bf16)
 CHUNK_ROWS = 128  # rows of x per kernel call: 128 x 1536 fp32 values still fit in L2
+W8A8_MAX_K = 131072  # w8a8_linear's largest K (its int32 sums)
 
 
 def _few_enough_rows(x: torch.Tensor) -> bool:
@@ -44,22 +49,44 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             and runs_ours("skinny_linear", "cpu"))
 
 
-def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """skinny_linear, CHUNK_ROWS rows of x at a time: the kernel keeps x (in fp32) in cache while
-    it streams the weight, which only holds for a bounded number of rows (an fp16 prefill)."""
+def _in_chunks(kernel, x: torch.Tensor, n: int) -> torch.Tensor:
+    """kernel(rows of x) -> [rows, n], CHUNK_ROWS rows of x at a time: the kernels keep x (in fp32
+    or int8) in cache while they stream the weight, which only holds for a bounded number of rows
+    (a prefill)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows <= CHUNK_ROWS:
-        return skinny_linear(x, weight, bias, weight_scale)
+        return kernel(x)
     flat = x.reshape(rows, x.shape[-1])
-    out = torch.cat([skinny_linear(chunk, weight, bias, weight_scale) for chunk in flat.split(CHUNK_ROWS)])
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return torch.cat([kernel(chunk) for chunk in flat.split(CHUNK_ROWS)]).view(*x.shape[:-1], n)
+
+
+def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """skinny_linear, CHUNK_ROWS rows of x at a time (`_in_chunks`)."""
+    return _in_chunks(lambda rows: skinny_linear(rows, weight, bias, weight_scale), x, weight.shape[0])
+
+
+@functools.cache
+def _vnni() -> bool:
+    return int8_dot_isa() == "avx512_vnni"
+
+
+def w8a8_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 weight_scale: torch.Tensor | None = None) -> bool:
+    """Whether an int8 weight takes `w8a8_linear` (activations quantized per row too): where
+    skinny_linear would take it and the CPU has AVX512-VNNI, on which it runs 1.8-2.4x faster at
+    the drafter's shapes (bench/bench_ops.py). Without VNNI its portable loops would be slower
+    than skinny_linear's fp32 path, which the weight keeps there."""
+    return (weight_scale is not None and skinny_applies(x, weight, bias, weight_scale)
+            and x.shape[-1] <= W8A8_MAX_K and _vnni() and runs_ours("w8a8_linear", "cpu"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through skinny_linear where that is faster and allowed; an int8 weight with its
-    row scales elsewhere is dequantized for F.linear."""
+    """F.linear, through w8a8_linear or skinny_linear where that is faster and allowed; an int8
+    weight with its row scales elsewhere is dequantized for F.linear."""
+    if w8a8_applies(x, weight, bias, weight_scale):
+        return _in_chunks(lambda rows: w8a8_linear(rows, weight, weight_scale, bias), x, weight.shape[0])
     if skinny_applies(x, weight, bias, weight_scale):
         return skinny(x, weight, bias, weight_scale)
     if weight_scale is not None:

@@ -26,6 +26,7 @@ __all__ = [
     "check_device_errors",
     "cpu_kernel_applies",
     "gumbel_argmax",
+    "int8_dot_isa",
     "materialize_context_kv",
     "rms_norm_rope",
     "runs_ours",
@@ -35,6 +36,7 @@ __all__ = [
     "verify_block_from_ids",
     "verify_tree",
     "verify_tree_from_ids",
+    "w8a8_linear",
 ]
 
 _REFERENCE_ON: set[tuple[str, torch.device]] = set()  # (op, device) pairs that run the reference
@@ -263,6 +265,32 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"sglang_dflash.skinny_linear: is a CPU kernel; x is on {x.device} "
                          "(use torch.nn.functional.linear there)")
     return _impl("skinny_linear", x.device)(x, weight, bias, weight_scale)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer with an int8 weight and int8 activations, on the CPU (the drafter's layers).
+
+    Each row of x [..., K] (a float dtype) is quantized symmetrically on the fly, q = round(x * 127 /
+    max |row|); out[m, n] = float32(sum_k q[m, k] * weight[n, k]) * (max |row m| / 127) *
+    weight_scale[n] + bias[n], the sum exact, the rest in float32 in that order (`reference.
+    w8a8_linear` is the spec; kernel and reference agree bit for bit). weight int8 [N, K] with K <=
+    131072 (`quantize_rows`), weight_scale float32 [N], bias [N] of x's dtype or None; returns
+    [..., N] in x's dtype. A row with a non-finite value gives NaN. Each output row depends only on
+    its own x row (batch invariant). With AVX512-VNNI (`int8_dot_isa()`) one instruction does 64
+    byte products, and no weight is converted to float: skinny_linear's int8 path is bound by those
+    conversions and its FMAs. Quantized activations change a drafter's proposals slightly, never
+    the verified output.
+    """
+    if x.device.type not in ("cpu", "meta"):  # no kernel is registered for other devices
+        raise ValueError(f"sglang_dflash.w8a8_linear: is a CPU kernel; x is on {x.device}")
+    return _impl("w8a8_linear", x.device)(x, weight, weight_scale, bias)
+
+
+def int8_dot_isa() -> str:
+    """The int8 dot product w8a8_linear runs on this CPU: "avx512_vnni", or "portable" (scalar
+    loops; also with SGLANG_DFLASH_NO_VNNI=1 set before the first call)."""
+    return _ops().int8_dot_isa()
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor | None = None,

@@ -260,6 +260,33 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.to(x.dtype)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [M, K] as symmetric int8, in float32: q = round(x * (127 / max |row|)) (half to
+    even) and the row's scale max |row| / 127; an all-zero row has q = 0 and scale 0, a row with a
+    non-finite value q = 0 and scale NaN (its outputs come out NaN, as a float product's would)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    finite = torch.isfinite(xf).all(dim=-1)
+    # torch.full_like(amax, 127) / amax, a true division (127 / tensor multiplies by a reciprocal).
+    inv = torch.where(finite & (amax > 0), torch.full_like(amax, 127) / torch.where(amax > 0, amax, 1.0), 0.0)
+    q = (xf * inv[:, None]).round().clamp(-127, 127)
+    q = torch.where(finite[:, None], q, 0.0)
+    return q, torch.where(finite, amax / 127, float("nan"))
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x quantized per row (`quantize_activations`) times the int8 weight: the integer sums exactly
+    (float64), rounded once to float32, then times the row's scale, times weight_scale, plus bias, in
+    float32 and in that order; out in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    q, x_scale = quantize_activations(rows)
+    out = (q.double() @ weight.double().T).float() * x_scale[:, None] * weight_scale[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
     """Rotates x [..., rotary_dim] by angles with cos / sin [..., rotary_dim / 2]: pairs
     (i, i + rotary_dim / 2) when is_neox (rotate-half), else (2i, 2i + 1) (interleaved)."""

@@ -11,7 +11,7 @@ one (SGLang's path in the server). With SGLANG_DFLASH_STRICT=1 a failure raises 
 
 Exact ops (verify, verify_tree_from_ids, gumbel_argmax) must agree bit for bit; block_attention
 materialize_context_kv and rms_norm_rope within the per-dtype tolerances of tests/test_ops_*.py, skinny_linear
-within its rounding bound (tests/test_ops_skinny_linear.py); on CUDA no index check may fire on
+within its rounding bound (tests/test_ops_skinny_linear.py), w8a8_linear bit for bit; on CUDA no index check may fire on
 these valid inputs (`ops.check_device_errors`). Inputs are small (well under a second
 on a GPU, a few tens of milliseconds on a CPU) and each result is kept for the process's lifetime.
 """
@@ -223,6 +223,22 @@ def _skinny_linear(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _w8a8_linear(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Bit for bit the reference (tests/test_ops_w8a8_linear.py), K past a whole vector, with bias."""
+    gen = torch.Generator().manual_seed(6)
+    x = (3 * torch.randn(5, 300, generator=gen)).to(dtype)
+    weight = torch.randint(-127, 128, (131, 300), generator=gen, dtype=torch.int8)
+    scale = torch.rand(131, generator=gen) / 64
+    bias = torch.randn(131, generator=gen).to(dtype)
+    got = _kernel("w8a8_linear")(x.to(device), weight.to(device), scale.to(device), bias.to(device)).cpu()
+    want = reference.w8a8_linear(x, weight, scale, bias)
+    if (problem := _layout(got, want)) is not None:
+        return problem
+    if torch.equal(got, want):
+        return None
+    return f"differs from the reference by up to {float((got - want).abs().max()):.3g}"
+
+
 def _rms_norm_rope(device: torch.device, dtype: torch.dtype) -> str | None:
     """q / k of a fused projection (strided head views) with RoPE, and plain rows without."""
     gen = torch.Generator().manual_seed(5)
@@ -250,6 +266,7 @@ CHECKS: dict[str, Callable[[torch.device, Any], str | None]] = {
     "materialize_context_kv": _materialize_context_kv,  # cases: ContextKV
     "skinny_linear": _skinny_linear,  # cases: dtypes (a CPU kernel)
     "rms_norm_rope": _rms_norm_rope,  # cases: dtypes (a CPU kernel)
+    "w8a8_linear": _w8a8_linear,  # cases: dtypes (a CPU kernel)
 }
 _RESULTS: dict[tuple[str, torch.device, Any], str | None] = {}
 
@@ -322,4 +339,5 @@ def engine_plan(q_heads: int, kv_heads: int, head_dim: int, logits_dtype: torch.
                                                     torch.float32, False, True) for dtype in FLOATS]
         plan["skinny_linear"] = list(FLOATS)
         plan["rms_norm_rope"] = list(FLOATS)
+        plan["w8a8_linear"] = list(FLOATS)
     return plan

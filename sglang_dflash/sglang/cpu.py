@@ -186,13 +186,13 @@ def _dense_weight(layer):
 
 
 def _unquantized_linear_around(original, method, layer, x, bias=None, *args, **kwargs):
-    from sglang_dflash.models.skinny import skinny, skinny_applies
+    from sglang_dflash.models.skinny import linear, skinny, skinny_applies
     from sglang_dflash.sglang.draft_int8 import int8_weight
 
     if not args and not kwargs:
         quantized = int8_weight(layer)  # the drafter's layers, in int8 (draft_int8.py)
         if quantized is not None and skinny_applies(x, quantized[0], bias, quantized[1]):
-            return skinny(x, quantized[0], bias, quantized[1])
+            return linear(x, quantized[0], bias, quantized[1])  # w8a8_linear where the CPU has VNNI
         weight = _dense_weight(layer)
         if weight is not None and skinny_applies(x, weight, bias):
             return skinny(x, weight, bias)

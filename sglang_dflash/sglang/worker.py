@@ -186,6 +186,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
     def _self_test_kernels(self, device: torch.device) -> set[str]:
         """Self-tests each op this worker would run on `device` (ops/self_test.py) and switches on
         those that pass; the rest keep SGLang's own path. Returns the ops that run ours."""
+        from sglang_dflash import ops
         from sglang_dflash.ops import self_test
         from sglang_dflash.sglang import attention, draft_int8, draft_norms
         from sglang_dflash.sglang.context_kv import ContextKVWriter
@@ -203,6 +204,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
         if device.type == "cpu":  # the draft head and, with SGLang's CPU engine, its linear layers; the draft norms
             plan["skinny_linear"] = [self.model_runner.model_config.dtype]
             plan["rms_norm_rope"] = [self.model_runner.model_config.dtype]
+            plan["w8a8_linear"] = [self.model_runner.model_config.dtype]
         ours = self_test.select(device, plan, fallback="SGLang's own path")
         if "rms_norm_rope" in ours:
             norms, attentions = draft_norms.install_draft_norms(self.draft_model, device)
@@ -219,8 +221,11 @@ class DFlashKernelWorker(DFlashWorkerV2):
             else:
                 self._draft_int8 = True
                 self._draft_head = None  # cut again, in int8
-                logger.info("sglang-dflash: %d draft linear layers and the draft LM head run int8 weights (%s=0: "
-                            "the model's dtype)", converted, draft_int8.ENV_DRAFT_INT8)
+                activations = ("int8 too (w8a8_linear, AVX512-VNNI)" if "w8a8_linear" in ours
+                               and ops.int8_dot_isa() == "avx512_vnni" else "in the model's dtype")
+                logger.info("sglang-dflash: %d draft linear layers and the draft LM head run int8 weights, "
+                            "activations %s (%s=0: the model's dtype)", converted, activations,
+                            draft_int8.ENV_DRAFT_INT8)
         self._context_kv = context_kv if "materialize_context_kv" in ours else None
         if self._context_kv is not None:
             logger.info("sglang-dflash: draft context K/V of %d layers through materialize_context_kv",

@@ -84,6 +84,13 @@ LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weig
                                      const std::optional<at::Tensor>& bias,
                                      const std::optional<at::Tensor>& weight_scale);
 
+// w8a8_linear: x [..., K] of a float dtype, weight int8 [N, K] (contiguous last dimension),
+// weight_scale float32 [N], bias [N] of x's dtype (optional), one device; K <= kW8a8MaxK, so that
+// a sum of K products of int8 values (|q|, |w| <= 127) fits in int32.
+constexpr int64_t kW8a8MaxK = 131072;
+LinearShape check_w8a8_linear_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                                   const std::optional<at::Tensor>& bias);
+
 struct ContextKvShape {
   int64_t rows;           // N
   int64_t layers;         // L
