@@ -9,6 +9,7 @@ bench/results/cpu_ops.json. skinny_linear's baseline is torch's own F.linear (BL
 the op it replaces, and with an int8 weight (the int8 drafter's) it is the same kernel on the bf16
 weight (what that drafter ran before); its weights are SmolLM2-135M's shapes, as many copies as
 the model has layers, so they stream from memory as in a decode step rather than sitting in cache.
+w8a8_linear's baseline is skinny_linear on the same int8 weights (the drafter's path without VNNI).
 target_verify times a whole verify forward of the packaged target against the attention mask path
 it replaced (alternating calls).
 
@@ -192,6 +193,27 @@ def bench_skinny_linear(shape, repeats):
                 kernel_GBps=gbps)
 
 
+# (rows, N, K, copies): the shipped drafter's int8 layers, an MLP projection (N x K as gate / up,
+# copies for its 3 layers x 3 matrices) and its draft-vocabulary LM head, at 1 row, a block of 5
+# (B = 4 plus the adaptive controller's extra draft) and 4 requests' blocks of 5.
+W8A8_SHAPES = [(1, 1536, 576, 9), (5, 1536, 576, 9), (20, 1536, 576, 9),
+               (1, 16384, 576, 1), (5, 16384, 576, 1), (20, 16384, 576, 1)]
+
+
+def bench_w8a8_linear(shape, repeats):
+    """w8a8_linear against skinny_linear on the same int8 weights (what the drafter ran before:
+    activations in bf16, fp32 arithmetic); bandwidth over the int8 weights and scales."""
+    rows, n, k, copies = shape
+    gen = torch.Generator().manual_seed(0)
+    quantized = [quantize_rows(torch.randn(n, k, generator=gen)) for _ in range(copies)]
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    kernel, base = paired_median_times(lambda: [ops.w8a8_linear(x, q, s) for q, s in quantized],
+                                       lambda: [ops.skinny_linear(x, q, None, s) for q, s in quantized], repeats)
+    return dict(op="w8a8_linear", rows=rows, N=n, K=k, copies=copies, isa=ops.int8_dot_isa(),
+                baseline="skinny_linear int8", kernel_ms=kernel * 1e3, reference_ms=base * 1e3,
+                ratio=base / kernel, kernel_GBps=copies * (n * (k + 4) + rows * k * 2) / kernel / 1e9)
+
+
 # (rows, heads, D, rotary): the shipped drafter's q / k norm + RoPE at B 4 and 8, its hidden_norm
 # rows (no RoPE), and a Qwen3-8B-sized q at B 16.
 NORM_SHAPES = [(4, 9, 64, 64), (4, 3, 64, 64), (8, 9, 64, 64), (4, 1, 576, 0), (16, 32, 128, 128)]
@@ -315,6 +337,7 @@ def main():
     jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_skinny_linear, s) for s in LINEAR_SHAPES[: 1 if opts.quick else None]]
+    jobs += [(bench_w8a8_linear, s) for s in W8A8_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_rms_norm_rope, s) for s in NORM_SHAPES[: 1 if opts.quick else None]]
     jobs += [(bench_draft_forward, b) for b in [2, 4, 8][: 1 if opts.quick else None]]
     jobs += [(bench_target_verify, s) for s in [(2, 300), (4, 300), (8, 300), (4, 1500)][: 1 if opts.quick else None]]
