@@ -74,7 +74,7 @@ def _vnni() -> bool:
 def w8a8_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  weight_scale: torch.Tensor | None = None) -> bool:
     """Whether an int8 weight takes `w8a8_linear` (activations quantized per row too): where
-    skinny_linear would take it and the CPU has AVX512-VNNI, on which it runs 1.8-2.4x faster at
+    skinny_linear would take it and the CPU has AVX512-VNNI, on which it runs 1.6-2.3x faster at
     the drafter's shapes (bench/bench_ops.py). Without VNNI its portable loops would be slower
     than skinny_linear's fp32 path, which the weight keeps there."""
     return (weight_scale is not None and skinny_applies(x, weight, bias, weight_scale)

@@ -277,7 +277,7 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     w8a8_linear` is the spec; kernel and reference agree bit for bit). weight int8 [N, K] with K <=
     131072 (`quantize_rows`), weight_scale float32 [N], bias [N] of x's dtype or None; returns
     [..., N] in x's dtype. A row with a non-finite value gives NaN. Each output row depends only on
-    its own x row (batch invariant). With AVX512-VNNI (`int8_dot_isa()`) one instruction does 64
+    its own x row (batch invariant). With AVX512-VNNI (`int8_dot_isa()`) one instruction does 32
     byte products, and no weight is converted to float: skinny_linear's int8 path is bound by those
     conversions and its FMAs. Quantized activations change a drafter's proposals slightly, never
     the verified output.

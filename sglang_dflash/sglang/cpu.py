@@ -22,8 +22,9 @@ other device to SGLang:
    included (`SGLANG_DFLASH_BATCH_INVARIANT=0` turns it off):
    - linear layers and the LM head fed with few rows (every decode and verify step) run our
      `skinny_linear` instead of `F.linear` / `torch.matmul` (the drafter's layers over their int8
-     copies, `draft_int8.py`, where they have them): each weight read once, fp32
-     accumulation, and each row's result bitwise independent of the other rows. fp32 and bf16
+     copies, `draft_int8.py`, where they have them, through `w8a8_linear` on VNNI CPUs): each
+     weight read once, fp32 (or exact int32) accumulation, and each row's result bitwise
+     independent of the other rows. fp32 and bf16
      inputs of more than 16 rows (prefill) keep torch's GEMM; fp16 ones always take the kernel,
      since torch's fp16 GEMM is slower on these CPUs at every row count (`models/skinny.py`);
    - decode attention (`TorchNativeAttnBackend.forward_decode`) runs `block_attention` with a
