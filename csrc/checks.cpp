@@ -353,6 +353,12 @@ LinearShape check_linear_args(const char* op, const at::Tensor& x, const at::Ten
 
 }  // namespace
 
+at::Tensor empty_linear_output(const at::Tensor& x, int64_t n) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return at::empty(sizes, x.options());
+}
+
 LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias,
                                      const std::optional<at::Tensor>& weight_scale) {

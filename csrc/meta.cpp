@@ -53,18 +53,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_from_ids_meta(const a
 at::Tensor skinny_linear_meta(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias,
                               const std::optional<at::Tensor>& weight_scale) {
-  check_skinny_linear_args(x, weight, bias, weight_scale);
-  auto sizes = x.sizes().vec();
-  sizes.back() = weight.size(0);
-  return at::empty(sizes, x.options());
+  return empty_linear_output(x, check_skinny_linear_args(x, weight, bias, weight_scale).out);
 }
 
 at::Tensor w8a8_linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                             const std::optional<at::Tensor>& bias) {
-  check_w8a8_linear_args(x, weight, weight_scale, bias);
-  auto sizes = x.sizes().vec();
-  sizes.back() = weight.size(0);
-  return at::empty(sizes, x.options());
+  return empty_linear_output(x, check_w8a8_linear_args(x, weight, weight_scale, bias).out);
 }
 
 at::Tensor gumbel_argmax_meta(const at::Tensor& scores, const std::optional<at::Tensor>& ids, int64_t /*seed*/,

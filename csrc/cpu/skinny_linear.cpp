@@ -187,9 +187,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& weight_scale) {
   const auto shape = check_skinny_linear_args(x, weight, bias, weight_scale);
   const int64_t M = shape.rows, N = shape.out, K = shape.in;
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor out = at::empty(out_sizes, x.options());
+  at::Tensor out = empty_linear_output(x, N);
   if (M == 0 || N == 0) return out;
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const int64_t ldw = weight.stride(0);

@@ -241,9 +241,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                        const std::optional<at::Tensor>& bias) {
   const auto shape = check_w8a8_linear_args(x, weight, weight_scale, bias);
   const int64_t M = shape.rows, N = shape.out, K = shape.in;
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor out = at::empty(out_sizes, x.options());
+  at::Tensor out = empty_linear_output(x, N);
   if (M == 0 || N == 0) return out;
   const at::Tensor xc = x.reshape({M, K}).contiguous();
   const at::Tensor scale = weight_scale.contiguous();

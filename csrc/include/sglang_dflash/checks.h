@@ -84,6 +84,9 @@ LinearShape check_skinny_linear_args(const at::Tensor& x, const at::Tensor& weig
                                      const std::optional<at::Tensor>& bias,
                                      const std::optional<at::Tensor>& weight_scale);
 
+// The (uninitialized) output of a linear op on x [..., K]: [..., n], x's dtype and device.
+at::Tensor empty_linear_output(const at::Tensor& x, int64_t n);
+
 // w8a8_linear: x [..., K] of a float dtype, weight int8 [N, K] (contiguous last dimension),
 // weight_scale float32 [N], bias [N] of x's dtype (optional), one device; K <= kW8a8MaxK, so that
 // a sum of K products of int8 values (|q|, |w| <= 127) fits in int32.
