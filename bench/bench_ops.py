@@ -82,6 +82,10 @@ LINEAR_SHAPES = [
     (1, 1536, 576, 30, torch.float32),
     (4, 1536, 576, 30, torch.float32),
     (8, 1536, 576, 30, torch.float32),
+    # the down projections (K = 1536) at verify blocks of 2, 3 and 4: 3 rows cost more than 4 here
+    (2, 576, 1536, 30, torch.float32),
+    (3, 576, 1536, 30, torch.float32),
+    (4, 576, 1536, 30, torch.float32),
     (7, 49152, 576, 1, torch.bfloat16),
     # served SmolLM2 in fp16 (SGLang's default for it on CPU): decode (1 row), a B 4 verify, 8
     # requests' verify rows; torch's fp16 GEMM is the baseline a server without the plugin runs
