@@ -25,7 +25,6 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
-#include <algorithm>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -130,11 +129,9 @@ void dot_tile(const float* xf, int64_t K, const T* const (&w)[kCols], const char
 // out rows [0, M) x the tile's columns n[c] (the last tile repeats column N - 1 where N is not a
 // multiple of C: computed again, the same value stored again); each sum times its weight row's
 // scale when the weight is quantized (scale != null).
-// Rows [M_out, M) of x are padding (see computed_rows): computed, not stored.
 template <typename W, typename O>
-void column_tile(const float* xf, int64_t M, int64_t M_out, int64_t K, const W* const (&w)[kCols],
-                 const char* const (&pf)[kCols], const int64_t (&n)[kCols], const float* scale, const O* bias,
-                 int64_t N, O* out) {
+void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[kCols], const char* const (&pf)[kCols],
+                 const int64_t (&n)[kCols], const float* scale, const O* bias, int64_t N, O* out) {
   float sums[kRows][kCols];
   // As few row tiles as kRows allows, their rows balanced (5 rows: 3 + 2, not 4 + 1): the tiles
   // take turns on the weight rows in L1, and each is as slow as its latency-bound chains.
@@ -148,7 +145,7 @@ void column_tile(const float* xf, int64_t M, int64_t M_out, int64_t K, const W* 
       case 2: dot_tile<2>(xm, K, w, pf, sums); break;
       default: dot_tile<1>(xm, K, w, pf, sums); break;
     }
-    for (int64_t r = 0; r < rows && m0 + r < M_out; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       for (int c = 0; c < kCols; ++c) {
         float sum = sums[r][c];
         if (scale != nullptr) sum *= scale[n[c]];
@@ -160,10 +157,9 @@ void column_tile(const float* xf, int64_t M, int64_t M_out, int64_t K, const W* 
   }
 }
 
-// All weight rows against all M rows of x (fp32, xp), of which the first M_out are stored: each
-// thread streams a band of row tiles.
+// All weight rows against all rows of x (fp32, xp): each thread streams a band of row tiles.
 template <typename W, typename O>
-void stream_weight(const float* xp, int64_t M, int64_t M_out, int64_t N, int64_t K, const W* w, int64_t ldw,
+void stream_weight(const float* xp, int64_t M, int64_t N, int64_t K, const W* w, int64_t ldw,
                    const float* scale, const O* bias, O* out) {
   constexpr int C = kCols;
   const int64_t tiles = (N + C - 1) / C;
@@ -179,17 +175,10 @@ void stream_weight(const float* xp, int64_t M, int64_t M_out, int64_t N, int64_t
         // Near the end the prefetch re-touches the last rows rather than reading past the weight.
         pf[c] = reinterpret_cast<const char*>(w + std::min(t * C + kPrefetchRowsAhead + c, N - 1) * ldw);
       }
-      column_tile(xp, M, M_out, K, rows, pf, n, scale, bias, N, out);
+      column_tile(xp, M, K, rows, pf, n, scale, bias, N, out);
     }
   });
 }
-
-// How many rows of x the tiles compute for M wanted: one more where M leaves a tile of 3 (3, 7,
-// 11, ...), the copy of the last row computed and dropped. A 3-row tile ran slower than a 4-row one
-// on this Zen 4 (fp32 weights, 2 threads, per matrix: 576 x 1536 0.105 vs 0.084 ms, 1536 x 576
-// 0.080 vs 0.074; bench_ops.py's K = 1536 rows), which made a target verify of 3 rows cost more
-// than one of 4 (34.7 vs 33.7 ms) and every block of 3 a loss.
-int64_t computed_rows(int64_t M) { return M % kRows == kRows - 1 ? M + 1 : M; }
 
 }  // namespace
 
@@ -206,26 +195,26 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     // x in fp32, converted into a per-thread buffer where it is contiguous bf16 / fp16: a draft
     // step makes ~20 of these calls, and a separate conversion op (allocation, dispatch) was
     // ~10 % of each.
-    // Padded to computed_rows with a copy of the last row.
-    const int64_t Mc = computed_rows(M);
+    at::Tensor xf;
     const float* xp = nullptr;
-    if (x.is_contiguous() && x.scalar_type() == at::kFloat && Mc == M) {
+    if (x.is_contiguous() && x.scalar_type() == at::kFloat) {
       xp = x.const_data_ptr<float>();
-    } else {
-      const at::Tensor xc = x.is_contiguous() ? x : x.reshape({M, K}).contiguous();
+    } else if (x.is_contiguous()) {
       thread_local std::vector<float> converted;
-      converted.resize(Mc * K);
-      to_float(xc.const_data_ptr<scalar_t>(), converted.data(), M * K);
-      std::copy_n(converted.data() + (M - 1) * K, (Mc - M) * K, converted.data() + M * K);
+      converted.resize(M * K);
+      to_float(x.const_data_ptr<scalar_t>(), converted.data(), M * K);
       xp = converted.data();
+    } else {
+      xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+      xp = xf.const_data_ptr<float>();
     }
     const scalar_t* bp = b.defined() ? b.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     if (weight_scale.has_value()) {  // int8 weight (checked)
       const at::Tensor scale = weight_scale->contiguous();
-      stream_weight(xp, Mc, M, N, K, weight.const_data_ptr<int8_t>(), ldw, scale.const_data_ptr<float>(), bp, o);
+      stream_weight(xp, M, N, K, weight.const_data_ptr<int8_t>(), ldw, scale.const_data_ptr<float>(), bp, o);
     } else {
-      stream_weight(xp, Mc, M, N, K, weight.const_data_ptr<scalar_t>(), ldw, static_cast<const float*>(nullptr),
+      stream_weight(xp, M, N, K, weight.const_data_ptr<scalar_t>(), ldw, static_cast<const float*>(nullptr),
                     bp, o);
     }
   });
