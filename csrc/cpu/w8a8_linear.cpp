@@ -49,11 +49,12 @@ constexpr int64_t kPrefetchRowsAhead = 2 * kCols;  // prefetch two tiles of weig
 
 // x quantized: u = q + 128 per element, rows zero padded to a multiple of kLine (a padded u of 0
 // adds nothing), and each row's scale (NaN for a row with a non-finite value, which so comes out
-// NaN, as a float product would).
+// NaN, as a float product would). `row` is scratch: one x row in fp32, reused call after call.
 struct QuantizedX {
   std::vector<uint8_t> u;
   std::vector<float> scale;
   int64_t stride;
+  std::vector<float> row;
 };
 
 template <typename T>
@@ -61,7 +62,8 @@ void quantize_x(const T* x, int64_t M, int64_t K, QuantizedX& qx) {
   qx.stride = (K + kLine - 1) / kLine * kLine;
   qx.u.assign(M * qx.stride, 0);
   qx.scale.resize(M);
-  std::vector<float> row(K);
+  std::vector<float>& row = qx.row;
+  row.resize(K);
   for (int64_t m = 0; m < M; ++m) {
     to_float(x + m * K, row.data(), K);
     float amax = 0.f;
