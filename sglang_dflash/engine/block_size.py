@@ -42,7 +42,8 @@ unverified still count for the per-position acceptance, with their calibrated ac
 stays the acceptance of every draft rather than of the confident ones. Replayed on the shipped
 drafter's measured HumanEval steps and confidences it lifts the controller from 0.989 to 1.011 of
 the best fixed size's rate (tests/test_engine_block_size.py); in bench_e2e (HumanEval, greedy) it
-verified a mean 3.4 rows a step for tau 2.10 where B = 4 verifies 4 for 2.04. Blocks of 2 do not
+verified a mean 3.4 rows a step for tau 2.10 where B = 4 verifies 4 for 2.04 (commit e5be27d), and
+3.0 rows for tau 2.05, as B = 4 makes with 4, once the drafter's activations went int8 (b9e93fe). Blocks of 2 do not
 draft a third position: they verify both their rows anyway, and in side-by-side runs on MT-Bench,
 greedy (B = 2 best), the third draft and its confidences cost 1-2 % more than they gained.
 
