@@ -3,6 +3,12 @@ invariance, its argument errors, and the SkinnyLinear modules the engine swaps i
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,7 +81,7 @@ def test_leading_dims_and_strided_inputs():
 
 def test_each_row_is_bitwise_independent_of_the_others():
     """A verify pass over B tokens must compute exactly what one-token decode steps compute."""
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in DTYPES:
         x, w, b = _inputs(13, 101, 577, dtype, 11)
         full = ops.skinny_linear(x, w, b)
         for i in range(13):
@@ -83,6 +89,48 @@ def test_each_row_is_bitwise_independent_of_the_others():
         for m in range(2, 13):  # every split of the rows into register tiles (6 + 6, 4 + 3, ...)
             assert torch.equal(ops.skinny_linear(x[:m], w, b), full[:m])
         assert torch.equal(ops.skinny_linear(x[5:9], w, b), full[5:9])
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+def test_the_widest_fma_path_this_cpu_has_is_taken():
+    isa = ops.float_dot_isa()
+    assert isa in ("avx512", "avx2", "portable")
+    if platform.machine() == "x86_64":
+        wide = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
+        assert isa == ("avx512" if wide else "avx2")
+
+
+def test_avx2_path_matches_the_reference_and_is_batch_invariant_too():
+    """The 8-lane path CPUs without AVX-512 run (forced by SGLANG_DFLASH_NO_AVX512=1 in a fresh
+    process: the path is chosen once per process). On such a CPU this repeats the tests above."""
+    if ops.float_dot_isa() == "portable":
+        pytest.skip("built without AVX2")
+    code = textwrap.dedent("""
+        import torch
+        from sglang_dflash import ops
+        from sglang_dflash.models.skinny import quantize_rows
+        from sglang_dflash.ops.testing import skinny_linear_error_ratio
+        assert ops.float_dot_isa() == "avx2", ops.float_dot_isa()
+        g = torch.Generator().manual_seed(3)
+        for rows, n, k in [(1, 5, 1), (5, 33, 100), (9, 64, 576), (13, 7, 1536 + 7)]:
+            for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
+                x = torch.randn(rows, k, generator=g).to(torch.float32 if dtype == torch.int8 else dtype)
+                w, s = torch.randn(n, k, generator=g), None
+                w, s = quantize_rows(w) if dtype == torch.int8 else (w.to(dtype), None)
+                b = torch.randn(n, generator=g).to(x.dtype)
+                full = ops.skinny_linear(x, w, b, s)
+                assert (skinny_linear_error_ratio(full, x, w, b, s) <= 1).all(), (rows, n, k, dtype)
+                for m in range(1, rows):
+                    assert torch.equal(ops.skinny_linear(x[m:], w, b, s), full[m:]), (rows, m, dtype)
+        print("ok")
+    """)
+    env = dict(os.environ, SGLANG_DFLASH_NO_AVX512="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_empty_inputs():

@@ -36,6 +36,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& weight_scale);
 
+// Which fp32 FMA path skinny_linear runs on this CPU: "avx512", "avx2" or "portable".
+std::string float_dot_isa();
+
 // out [..., N] = x [..., K] quantized to int8 per row @ weight int8 [N, K]^T, exact int32 sums
 // times the row's scale and weight_scale [N] (+ bias [N]); AVX512-VNNI where the CPU has it.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,

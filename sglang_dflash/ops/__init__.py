@@ -25,6 +25,7 @@ __all__ = [
     "canonical_device",
     "check_device_errors",
     "cpu_kernel_applies",
+    "float_dot_isa",
     "gumbel_argmax",
     "int8_dot_isa",
     "materialize_context_kv",
@@ -285,6 +286,14 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if x.device.type not in ("cpu", "meta"):  # no kernel is registered for other devices
         raise ValueError(f"sglang_dflash.w8a8_linear: is a CPU kernel; x is on {x.device}")
     return _impl("w8a8_linear", x.device)(x, weight, weight_scale, bias)
+
+
+def float_dot_isa() -> str:
+    """The fp32 FMA path skinny_linear runs on this CPU: "avx512" (16 lanes, 4 x 6 tiles), "avx2"
+    (8 lanes, 3 x 4 tiles; also with SGLANG_DFLASH_NO_AVX512=1 set before the first call), or
+    "portable". Chosen once per process: each path is batch invariant, and the two differ in the
+    last bits."""
+    return _ops().float_dot_isa()
 
 
 def int8_dot_isa() -> str:
