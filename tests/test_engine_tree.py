@@ -19,7 +19,8 @@ from sglang_dflash.engine.tree import (
     chain_accept_lens,
     chain_depths,
 )
-from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, tiny_target
+from sglang_dflash.engine.target import MAX_DEAD_COLUMNS
+from tests.dflash_testlib import STOP_TOKEN, TINY_VOCAB, hf_greedy, random_draft, tiny_target
 
 PROMPTS = [[3, 4, 5], list(range(10, 30)), [50, 60, 70, 80, 90, 11, 12], [5]]
 MAX_NEW = 24
@@ -163,7 +164,33 @@ def test_greedy_tree_generation_equals_plain_greedy(tiny, budget, topk, batch):
         assert max(len(p) for p in paths) >= 3, "the oracle's trees must accept paths of several nodes"
     if topk > 1:
         assert any(p != list(range(len(p))) for p in paths), \
-            "some accepted path must skip nodes (else moving the kept K/V is untested)"
+            "some accepted path must skip nodes (else masking the skipped ones out is untested)"
+
+
+def test_skipped_tree_nodes_stay_masked_out_until_one_compaction_drops_them(tiny):
+    """commit_nodes leaves the nodes off the accepted path in the cache, masked out, and compacts
+    once MAX_DEAD_COLUMNS of them pile up: the target's next logits must be those of a plain
+    forward over the committed tokens all along, holes or not."""
+    target, _ = tiny
+    target.set_taps(())
+    g = torch.Generator().manual_seed(4)
+    committed = list(PROMPTS[1])
+    target.prefill([committed])
+    # Root, a chain of 3 and siblings; the accepted path 0 -> 2 -> 5 skips nodes 1, 3, 4 and 6.
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 2, 5]])
+    depths = torch.tensor([[0, 1, 1, 2, 2, 2, 3]])
+    ancestors = DraftTrees(parents, parents, depths, [7]).ancestors()
+    path, accept_len = torch.tensor([[0, 2, 5, 5, 5, 5, 5]]), torch.tensor([2])
+    dead = []
+    for step in range(2 * MAX_DEAD_COLUMNS // 4):
+        tokens = torch.randint(2, TINY_VOCAB, (1, 7), generator=g)
+        logits, _ = target.verify_tree(tokens, len(committed) + depths, ancestors)
+        expected = target.model(torch.tensor([committed + tokens[0, :1].tolist()])).logits[0, -1]
+        torch.testing.assert_close(logits[0], expected, atol=2e-4, rtol=1e-4)
+        target.commit_nodes(path, accept_len)
+        committed += tokens[0, [0, 2, 5]].tolist()
+        dead.append(target._valid.shape[1] - int(target._valid.sum()))
+    assert max(dead) < MAX_DEAD_COLUMNS and 0 in dead[1:], dead  # holes pile up, then a compaction
 
 
 def test_the_drafter_gets_the_committed_paths_context(tiny):

@@ -51,11 +51,13 @@ class DraftTrees:
     parents: torch.Tensor  # int64 [bs, N]: parent node index (< own index); -1 for the root and unused nodes
     depths: torch.Tensor  # int64 [bs, N]: 0 for the root and unused nodes
     sizes: list[int]  # nodes in use per request, root included
+    # bool [bs, N, N] where the builder knows it (build_trees), else computed from the parents
+    known_ancestors: torch.Tensor | None = None
 
     def ancestors(self) -> torch.Tensor:
         """bool [bs, N, N]: [b, i, j] = node j is node i or one of its ancestors (what node i may
         attend to in the block; unused nodes see only themselves)."""
-        return tree_ancestors(self.parents)
+        return tree_ancestors(self.parents) if self.known_ancestors is None else self.known_ancestors
 
 
 def validate_tree_options(budget: int, topk: int, vocab_size: int | None = None) -> None:
@@ -83,12 +85,15 @@ def build_trees(anchors: torch.Tensor, candidates: torch.Tensor, scores: torch.T
         raise ValueError(f"build_trees: anchors {tuple(anchors.shape)}, candidates {tuple(candidates.shape)}, "
                          f"scores {tuple(scores.shape)} and {len(budgets)} budgets do not describe one batch")
     n = max(budgets) + 1
-    tokens = torch.zeros(bs, n, dtype=torch.int64)
-    parents = torch.full((bs, n), -1, dtype=torch.int64)
-    depths = torch.zeros(bs, n, dtype=torch.int64)
-    tokens[:, 0] = anchors.cpu()
+    # Built as lists, one tensor each at the end: a tree step builds them on its critical path.
+    tokens = [[root] + [0] * (n - 1) for root in anchors.tolist()]
+    parents = [[-1] * n for _ in range(bs)]
+    depths = [[0] * n for _ in range(bs)]
     cand, score = candidates.cpu().tolist(), scores.float().cpu().tolist()
     sizes = []
+    # Per request and node, the bitmask of the node and its ancestors (unused nodes: only
+    # themselves), where tree_ancestors' tensor loop costs ~0.15-0.3 ms.
+    seen = [[1 << i for i in range(n)] for _ in range(bs)]
     for b in range(bs):
         # Heap entries: (-path score, sum of ranks on the path, depth, rank, parent node).
         frontier = [(-score[b][0][0], 0, 1, 0, 0)] if depth_limit and budgets[b] else []
@@ -97,15 +102,18 @@ def build_trees(anchors: torch.Tensor, candidates: torch.Tensor, scores: torch.T
             neg, rank_sum, depth, rank, parent = heapq.heappop(frontier)
             node = len(path_score)
             path_score.append(-neg)
-            tokens[b, node], parents[b, node], depths[b, node] = cand[b][depth - 1][rank], parent, depth
+            tokens[b][node], parents[b][node], depths[b][node] = cand[b][depth - 1][rank], parent, depth
+            seen[b][node] |= seen[b][parent]
             if rank + 1 < k:  # the next sibling: same parent, the next choice at this depth
                 sibling = path_score[parent] + score[b][depth - 1][rank + 1]
                 heapq.heappush(frontier, (-sibling, rank_sum + 1, depth, rank + 1, parent))
             if depth < depth_limit:  # the first child: this path, then the best choice one deeper
                 heapq.heappush(frontier, (neg - score[b][depth][0], rank_sum, depth + 1, 0, node))
         sizes.append(len(path_score))
+    ancestors = [[[bool(mask >> j & 1) for j in range(n)] for mask in row] for row in seen]
     device = candidates.device
-    return DraftTrees(tokens.to(device), parents.to(device), depths.to(device), sizes)
+    return DraftTrees(*(torch.tensor(t, dtype=torch.int64, device=device) for t in (tokens, parents, depths)), sizes,
+                      torch.tensor(ancestors, device=device))
 
 
 def chain_accept_lens(trees: DraftTrees, path: torch.Tensor, accepted: list[int]) -> list[int]:
