@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -193,8 +195,87 @@ def bench_skinny_linear(shape, repeats):
         baseline, weight_bytes = "F.linear", n * k * x.element_size()
     gbps = copies * (weight_bytes + rows * k * x.element_size()) / kernel / 1e9  # weights + x, read once per copy
     return dict(op="skinny_linear", rows=rows, N=n, K=k, copies=copies, dtype=str(dtype).removeprefix("torch."),
-                baseline=baseline, kernel_ms=kernel * 1e3, reference_ms=base * 1e3, ratio=base / kernel,
-                kernel_GBps=gbps)
+                isa=ops.float_dot_isa(), baseline=baseline, kernel_ms=kernel * 1e3, reference_ms=base * 1e3,
+                ratio=base / kernel, kernel_GBps=gbps)
+
+
+# (rows, N, K, copies): the fp32 target's MLP projections (K = 576 and 1536) and LM head at the
+# verify rows of draft trees of 4, 8 and 15 nodes, on skinny_linear's AVX-512 path against its
+# AVX2 path (float_dot_isa); the path is chosen once per process, so AVX2 runs in a child process,
+# the two timed in turns.
+FMA_PATH_SHAPES = [(5, 1536, 576, 30), (9, 1536, 576, 30), (16, 1536, 576, 30), (9, 576, 1536, 30),
+                   (9, 49152, 576, 1)]
+
+
+# Each process waits this long before it times: the other one's OpenMP threads spin for some
+# milliseconds after its last parallel loop, and on 2 cores that halves the speed of whoever runs.
+QUIET_S = 0.05
+
+
+def fp32_linear_calls(shape):
+    """One call per weight copy, on seeded random inputs (the same in every process)."""
+    rows, n, k, copies = shape
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
+    x = torch.randn(rows, k, generator=gen)
+    return lambda: [ops.skinny_linear(x, w) for w in weights]
+
+
+def time_on_request(conn):
+    """The child of bench_fma_paths: per shape received, warm up, then time one round of calls per
+    request; None ends it."""
+    calls, shape = None, None
+    while (request := conn.recv()) is not None:
+        if request != shape:
+            shape, calls = request, fp32_linear_calls(request)
+            for _ in range(3):
+                calls()
+        time.sleep(QUIET_S)
+        start = time.perf_counter()
+        calls()
+        conn.send(time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def avx2_process():
+    """A child process whose skinny_linear runs the AVX2 path (SGLANG_DFLASH_NO_AVX512=1 at its
+    start), serving time_on_request."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    before = os.environ.get("SGLANG_DFLASH_NO_AVX512")
+    os.environ["SGLANG_DFLASH_NO_AVX512"] = "1"
+    try:
+        proc = ctx.Process(target=time_on_request, args=(child,), daemon=True)
+        proc.start()
+    finally:
+        if before is None:
+            os.environ.pop("SGLANG_DFLASH_NO_AVX512")
+        else:
+            os.environ["SGLANG_DFLASH_NO_AVX512"] = before
+    try:
+        yield parent
+    finally:
+        parent.send(None)
+        proc.join(timeout=60)
+
+
+def bench_fma_paths(shape, repeats, avx2):
+    rows, n, k, copies = shape
+    calls = fp32_linear_calls(shape)
+    for _ in range(3):
+        calls()
+    times, avx2_times = [], []
+    for _ in range(repeats):
+        time.sleep(QUIET_S)
+        start = time.perf_counter()
+        calls()
+        times.append(time.perf_counter() - start)
+        avx2.send(shape)
+        avx2_times.append(avx2.recv())
+    kernel, base = statistics.median(times), statistics.median(avx2_times)
+    return dict(op="skinny_linear", rows=rows, N=n, K=k, copies=copies, dtype="float32", isa=ops.float_dot_isa(),
+                baseline="skinny_linear avx2", kernel_ms=kernel * 1e3, reference_ms=base * 1e3, ratio=base / kernel,
+                kernel_GBps=copies * (n + rows) * k * 4 / kernel / 1e9)
 
 
 # (rows, N, K, copies): the shipped drafter's int8 layers, an MLP projection (N x K as gate / up,
@@ -338,17 +419,23 @@ def main():
     # the other ops random inputs. Collected before the run loads the machine.
     info = run_info({"target": model_dir(TARGET), "draft": resolve_draft(SHIPPED_DRAFTER)})
     repeats = 3 if opts.quick else 10
-    jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
-    jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
-    jobs += [(bench_skinny_linear, s) for s in LINEAR_SHAPES[: 1 if opts.quick else None]]
-    jobs += [(bench_w8a8_linear, s) for s in W8A8_SHAPES[: 1 if opts.quick else None]]
-    jobs += [(bench_rms_norm_rope, s) for s in NORM_SHAPES[: 1 if opts.quick else None]]
-    jobs += [(bench_draft_forward, b) for b in [2, 4, 8][: 1 if opts.quick else None]]
-    jobs += [(bench_target_verify, s) for s in [(2, 300), (4, 300), (8, 300), (4, 1500)][: 1 if opts.quick else None]]
-    # This VM's memory bandwidth drifts (27-53 GB/s seen on one machine): the best of a probe
-    # before and one after the cases.
-    before = read_bandwidth()
-    rows = [fn(shape, repeats) for fn, shape in tqdm(jobs, desc="benchmark", unit="shape")]
+    with contextlib.ExitStack() as stack:  # the AVX2 child process, where there is one
+        jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
+        jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
+        jobs += [(bench_skinny_linear, s) for s in LINEAR_SHAPES[: 1 if opts.quick else None]]
+        if ops.float_dot_isa() == "avx512":
+            avx2 = stack.enter_context(avx2_process())
+            fma_paths = functools.partial(bench_fma_paths, avx2=avx2)
+            jobs += [(fma_paths, s) for s in FMA_PATH_SHAPES[: 1 if opts.quick else None]]
+        jobs += [(bench_w8a8_linear, s) for s in W8A8_SHAPES[: 1 if opts.quick else None]]
+        jobs += [(bench_rms_norm_rope, s) for s in NORM_SHAPES[: 1 if opts.quick else None]]
+        jobs += [(bench_draft_forward, b) for b in [2, 4, 8][: 1 if opts.quick else None]]
+        verify_shapes = [(2, 300), (4, 300), (8, 300), (4, 1500)]
+        jobs += [(bench_target_verify, s) for s in verify_shapes[: 1 if opts.quick else None]]
+        # This VM's memory bandwidth drifts (27-53 GB/s seen on one machine): the best of a probe
+        # before and one after the cases.
+        before = read_bandwidth()
+        rows = [fn(shape, repeats) for fn, shape in tqdm(jobs, desc="benchmark", unit="shape")]
     bandwidth = max(before, read_bandwidth())
     for row in rows:
         row["roofline_pct"] = 100 * row["kernel_GBps"] * 1e9 / bandwidth

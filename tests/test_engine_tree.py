@@ -11,6 +11,7 @@ import torch
 
 from sglang_dflash.engine import DFlashDrafter, Generator, SamplingParams
 from sglang_dflash.engine.drafters import NoDrafter
+from sglang_dflash.engine.target import MAX_DEAD_COLUMNS
 from sglang_dflash.engine.tree import (
     MAX_TREE_BUDGET,
     MAX_TREE_TOPK,
@@ -19,7 +20,6 @@ from sglang_dflash.engine.tree import (
     chain_accept_lens,
     chain_depths,
 )
-from sglang_dflash.engine.target import MAX_DEAD_COLUMNS
 from tests.dflash_testlib import STOP_TOKEN, TINY_VOCAB, hf_greedy, random_draft, tiny_target
 
 PROMPTS = [[3, 4, 5], list(range(10, 30)), [50, 60, 70, 80, 90, 11, 12], [5]]
@@ -182,7 +182,7 @@ def test_skipped_tree_nodes_stay_masked_out_until_one_compaction_drops_them(tiny
     ancestors = DraftTrees(parents, parents, depths, [7]).ancestors()
     path, accept_len = torch.tensor([[0, 2, 5, 5, 5, 5, 5]]), torch.tensor([2])
     dead = []
-    for step in range(2 * MAX_DEAD_COLUMNS // 4):
+    for _ in range(2 * MAX_DEAD_COLUMNS // 4):
         tokens = torch.randint(2, TINY_VOCAB, (1, 7), generator=g)
         logits, _ = target.verify_tree(tokens, len(committed) + depths, ancestors)
         expected = target.model(torch.tensor([committed + tokens[0, :1].tolist()])).logits[0, -1]
