@@ -224,9 +224,18 @@ template <int R, typename T>
 SGLD_AVX512 inline void fma_step(const float* xf, int64_t K, int64_t k, const T* const (&w)[kCols],
                                  __m512 (&acc)[R][kCols]) {
   __m512 wv[kCols];
-  for (int c = 0; c < kCols; ++c) wv[c] = load_weight(w[c] + k);
+  for (int c = 0; c < kCols; ++c) {
+    wv[c] = load_weight(w[c] + k);
+    // An empty asm that claims to change the vector: the compiler must hold it in a register.
+    // Without it GCC folds the load into each FMA that uses it (a weight vector loaded once per
+    // x row, an x vector once per weight row) in some tile shapes, 3 x rows among them, which
+    // then ran slower than 4 (bound by loads); the arithmetic is the same either way. (On the
+    // AVX2 path, with 16 registers, the same made GCC spill accumulators instead.)
+    asm("" : "+v"(wv[c]));
+  }
   for (int r = 0; r < R; ++r) {
-    const __m512 xv = _mm512_loadu_ps(xf + r * K + k);
+    __m512 xv = _mm512_loadu_ps(xf + r * K + k);
+    asm("" : "+v"(xv));  // in a register, as wv
     for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
   }
 }
