@@ -32,7 +32,6 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
-#include <cstdlib>
 #include <string>
 #include <vector>
 #if defined(__x86_64__)
@@ -139,18 +138,35 @@ void dot_tile(const float* xf, int64_t K, const T* const (&w)[kCols], const char
   }
 }
 
+// Rows in row tile t of `tiles` over M rows: as few tiles as the register tile allows, their rows
+// balanced (5 rows in tiles of 4: 3 + 2, not 4 + 1): the tiles take turns on the weight rows in L1,
+// and each is as slow as its latency-bound chains.
+inline int64_t balanced_rows(int64_t M, int64_t tiles, int64_t t) { return M / tiles + (t < M % tiles ? 1 : 0); }
+
+// Stores a register tile's sums as out rows [m0, m0 + rows) x columns n[c], each sum times its
+// weight row's scale when the weight is quantized (scale != null), plus the bias.
+template <int C, int R, typename O>
+inline void store_sums(const float (&sums)[R][C], int64_t m0, int64_t rows, const int64_t (&n)[C], const float* scale,
+                       const O* bias, int64_t N, O* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float sum = sums[r][c];
+      if (scale != nullptr) sum *= scale[n[c]];
+      if (bias != nullptr) sum += static_cast<float>(bias[n[c]]);
+      out[(m0 + r) * N + n[c]] = static_cast<O>(sum);
+    }
+  }
+}
+
 // out rows [0, M) x the tile's columns n[c] (the last tile repeats column N - 1 where N is not a
-// multiple of C: computed again, the same value stored again); each sum times its weight row's
-// scale when the weight is quantized (scale != null).
+// multiple of C: computed again, the same value stored again).
 template <typename W, typename O>
 void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[kCols], const char* const (&pf)[kCols],
                  const int64_t (&n)[kCols], const float* scale, const O* bias, int64_t N, O* out) {
   float sums[kRows][kCols];
-  // As few row tiles as kRows allows, their rows balanced (5 rows: 3 + 2, not 4 + 1): the tiles
-  // take turns on the weight rows in L1, and each is as slow as its latency-bound chains.
   const int64_t tiles = (M + kRows - 1) / kRows;
   for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
-    const int64_t rows = M / tiles + (t < M % tiles ? 1 : 0);
+    const int64_t rows = balanced_rows(M, tiles, t);
     const float* xm = xf + m0 * K;
     switch (rows) {
       case 4: dot_tile<4>(xm, K, w, pf, sums); break;
@@ -158,14 +174,7 @@ void column_tile(const float* xf, int64_t M, int64_t K, const W* const (&w)[kCol
       case 2: dot_tile<2>(xm, K, w, pf, sums); break;
       default: dot_tile<1>(xm, K, w, pf, sums); break;
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int c = 0; c < kCols; ++c) {
-        float sum = sums[r][c];
-        if (scale != nullptr) sum *= scale[n[c]];
-        if (bias != nullptr) sum += static_cast<float>(bias[n[c]]);
-        out[(m0 + r) * N + n[c]] = static_cast<O>(sum);
-      }
-    }
+    store_sums(sums, m0, rows, n, scale, bias, N, out);
     m0 += rows;
   }
 }
@@ -281,8 +290,8 @@ SGLD_AVX512 void column_tiles(const float* xf, int64_t M, int64_t N, int64_t K, 
       rows[c] = w + n[c] * ldw;
       pf[c] = reinterpret_cast<const char*>(w + std::min(t * kCols + kPrefetchRowsAhead + c, N - 1) * ldw);
     }
-    for (int64_t i = 0, m0 = 0; i < row_tiles; ++i) {  // balanced, as column_tile above
-      const int64_t r = M / row_tiles + (i < M % row_tiles ? 1 : 0);
+    for (int64_t i = 0, m0 = 0; i < row_tiles; ++i) {
+      const int64_t r = balanced_rows(M, row_tiles, i);
       const float* xm = xf + m0 * K;
       switch (r) {
         case 6: dot_tile<6>(xm, K, rows, pf, sums); break;
@@ -292,14 +301,7 @@ SGLD_AVX512 void column_tiles(const float* xf, int64_t M, int64_t N, int64_t K, 
         case 2: dot_tile<2>(xm, K, rows, pf, sums); break;
         default: dot_tile<1>(xm, K, rows, pf, sums); break;
       }
-      for (int64_t j = 0; j < r; ++j) {
-        for (int c = 0; c < kCols; ++c) {
-          float sum = sums[j][c];
-          if (scale != nullptr) sum *= scale[n[c]];
-          if (bias != nullptr) sum += static_cast<float>(bias[n[c]]);
-          out[(m0 + j) * N + n[c]] = static_cast<O>(sum);
-        }
-      }
+      store_sums(sums, m0, r, n, scale, bias, N, out);
       m0 += r;
     }
   }
@@ -320,9 +322,8 @@ bool avx512_wanted() {
   // SGLANG_DFLASH_NO_AVX512=1 keeps the AVX2 path (tests run both); read once, so that every
   // call of a process sums in the same order.
   static const bool wanted = [] {
-    const char* off = std::getenv("SGLANG_DFLASH_NO_AVX512");
     __builtin_cpu_init();
-    return !(off != nullptr && off[0] != '\0' && off[0] != '0') && __builtin_cpu_supports("avx512f") &&
+    return !turned_off_by("SGLANG_DFLASH_NO_AVX512") && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512dq");
   }();

@@ -223,9 +223,8 @@ bool vnni_wanted() {
 #if SGLD_HAS_X86
   // SGLANG_DFLASH_NO_VNNI=1 takes the portable path (tests run both); read once.
   static const bool wanted = [] {
-    const char* off = std::getenv("SGLANG_DFLASH_NO_VNNI");
     __builtin_cpu_init();
-    return !(off != nullptr && off[0] != '\0' && off[0] != '0') && __builtin_cpu_supports("avx512f") &&
+    return !turned_off_by("SGLANG_DFLASH_NO_VNNI") && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512vnni");
   }();
