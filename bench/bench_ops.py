@@ -10,6 +10,8 @@ the op it replaces, and with an int8 weight (the int8 drafter's) it is the same 
 weight (what that drafter ran before); its weights are SmolLM2-135M's shapes, as many copies as
 the model has layers, so they stream from memory as in a decode step rather than sitting in cache.
 w8a8_linear's baseline is skinny_linear on the same int8 weights (the drafter's path without VNNI).
+On a CPU with AVX-512, skinny_linear's AVX-512 path is also timed against its AVX2 path (run in a
+child process, in turns) at the fp32 rows of draft-tree verifies.
 target_verify times a whole verify forward of the packaged target against the attention mask path
 it replaced (alternating calls).
 
@@ -223,7 +225,8 @@ def fp32_linear_calls(shape):
 
 def time_on_request(conn):
     """The child of bench_fma_paths: per shape received, warm up, then time one round of calls per
-    request; None ends it."""
+    request; None ends it. It says "ready" first, once its imports are done."""
+    conn.send("ready")
     calls, shape = None, None
     while (request := conn.recv()) is not None:
         if request != shape:
@@ -253,6 +256,7 @@ def avx2_process():
         else:
             os.environ["SGLANG_DFLASH_NO_AVX512"] = before
     try:
+        parent.recv()  # its start-up (imports) would otherwise slow the first cases timed here
         yield parent
     finally:
         parent.send(None)

@@ -188,7 +188,7 @@ class HFTarget:
         The other nodes stay where they are, masked out of every later attention (their columns
         are invalid; each kept node's K/V already carries its own position's RoPE). Moving the
         kept nodes together instead costs a gather per layer and K/V tensor: ~1.3 ms of a SmolLM2
-        tree step on 2 cores, where this costs ~0.05 ms. Once MAX_DEAD_COLUMNS masked columns pile
+        tree step on 2 cores, where this costs ~0.2 ms. Once MAX_DEAD_COLUMNS masked columns pile
         up (or rows are dropped), one compaction removes them all."""
         width, n = self._valid.shape[1], self._block
         valid = self._valid.clone()
