@@ -179,11 +179,18 @@ def read_bandwidth() -> float:
     return src.numel() * 4 / min(median_time(lambda: src.sum(), 5), median_time(lambda: torch.dot(src, src), 5))
 
 
-def bench_skinny_linear(shape, repeats):
-    rows, n, k, copies, dtype = shape
+def seeded_linear_inputs(rows, n, k, copies):
+    """`copies` fp32 weights [n, k] and an fp32 x [rows, k], the same for the same arguments in
+    every case and process."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
-    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16 if dtype == torch.int8 else dtype)
+    return weights, torch.randn(rows, k, generator=gen)
+
+
+def bench_skinny_linear(shape, repeats):
+    rows, n, k, copies, dtype = shape
+    weights, x = seeded_linear_inputs(rows, n, k, copies)
+    x = x.to(torch.bfloat16 if dtype == torch.int8 else dtype)
     if dtype == torch.int8:  # against the same kernel on the bf16 weight
         quantized = [quantize_rows(w) for w in weights]
         bf16 = [w.bfloat16() for w in weights]
@@ -216,10 +223,7 @@ QUIET_S = 0.05
 
 def fp32_linear_calls(shape):
     """One call per weight copy, on seeded random inputs (the same in every process)."""
-    rows, n, k, copies = shape
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
-    x = torch.randn(rows, k, generator=gen)
+    weights, x = seeded_linear_inputs(*shape)
     return lambda: [ops.skinny_linear(x, w) for w in weights]
 
 
@@ -293,9 +297,8 @@ def bench_w8a8_linear(shape, repeats):
     """w8a8_linear against skinny_linear on the same int8 weights (what the drafter ran before:
     activations in bf16, fp32 arithmetic); bandwidth over the int8 weights and scales."""
     rows, n, k, copies = shape
-    gen = torch.Generator().manual_seed(0)
-    quantized = [quantize_rows(torch.randn(n, k, generator=gen)) for _ in range(copies)]
-    x = torch.randn(rows, k, generator=gen).bfloat16()
+    weights, x = seeded_linear_inputs(rows, n, k, copies)
+    quantized, x = [quantize_rows(w) for w in weights], x.bfloat16()
     kernel, base = paired_median_times(lambda: [ops.w8a8_linear(x, q, s) for q, s in quantized],
                                        lambda: [ops.skinny_linear(x, q, None, s) for q, s in quantized], repeats)
     return dict(op="w8a8_linear", rows=rows, N=n, K=k, copies=copies, isa=ops.int8_dot_isa(),

@@ -1,10 +1,15 @@
 """Shared helpers for the model / engine / CLI tests: tiny random targets, random drafters, the
-packaged SmolLM2 target, and Hugging Face's own greedy decoding as the reference."""
+packaged SmolLM2 target, Hugging Face's own greedy decoding as the reference, and fresh processes
+for the kernels' per-process instruction paths."""
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -72,3 +77,13 @@ def hf_greedy(target: HFTarget, prompt: list[int], max_new_tokens: int, stop: in
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, eos_token_id=stop, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def run_fresh_python(code: str, **env: str) -> str:
+    """Runs `code` in a new Python process with these environment variables set (the kernels pick
+    their instruction path once per process); checks that it succeeded and returns what it
+    printed, stripped."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()

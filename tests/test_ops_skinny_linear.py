@@ -3,11 +3,7 @@ invariance, its argument errors, and the SkinnyLinear modules the engine swaps i
 
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -25,6 +21,7 @@ from sglang_dflash.models.skinny import (
 )
 from sglang_dflash.ops import reference
 from sglang_dflash.ops.testing import int8_linear_is_right, skinny_linear_error_ratio
+from tests.dflash_testlib import run_fresh_python
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -109,7 +106,7 @@ def test_avx2_path_matches_the_reference_and_is_batch_invariant_too():
     process: the path is chosen once per process). On such a CPU this repeats the tests above."""
     if ops.float_dot_isa() == "portable":
         pytest.skip("built without AVX2")
-    code = textwrap.dedent("""
+    code = """
         import torch
         from sglang_dflash import ops
         from sglang_dflash.models.skinny import quantize_rows
@@ -127,10 +124,8 @@ def test_avx2_path_matches_the_reference_and_is_batch_invariant_too():
                 for m in range(1, rows):
                     assert torch.equal(ops.skinny_linear(x[m:], w, b, s), full[m:]), (rows, m, dtype)
         print("ok")
-    """)
-    env = dict(os.environ, SGLANG_DFLASH_NO_AVX512="1")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    """
+    assert run_fresh_python(code, SGLANG_DFLASH_NO_AVX512="1") == "ok"
 
 
 def test_empty_inputs():

@@ -4,17 +4,13 @@ its rounding, special rows, batch invariance, layouts and argument errors."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from sglang_dflash import ops
 from sglang_dflash.models.skinny import quantize_rows
 from sglang_dflash.ops import reference
+from tests.dflash_testlib import run_fresh_python
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 1, 1), (1, 64, 576), (3, 33, 8), (4, 96, 100), (5, 7, 1536), (6, 65, 200), (7, 31, 576),
@@ -124,7 +120,7 @@ def test_refuses_other_devices_by_name():
 def test_portable_path_matches_the_reference_too():
     """The loops CPUs without AVX512-VNNI run (forced by SGLANG_DFLASH_NO_VNNI=1 in a fresh
     process, since the choice is made once per process)."""
-    code = textwrap.dedent("""
+    code = """
         import torch
         from sglang_dflash import ops
         from sglang_dflash.models.skinny import quantize_rows
@@ -138,7 +134,5 @@ def test_portable_path_matches_the_reference_too():
                 b = torch.randn(n, generator=g).to(dtype)
                 assert torch.equal(ops.w8a8_linear(x, w, s, b), reference.w8a8_linear(x, w, s, b)), (rows, n, k)
         print("ok")
-    """)
-    env = dict(os.environ, SGLANG_DFLASH_NO_VNNI="1")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    """
+    assert run_fresh_python(code, SGLANG_DFLASH_NO_VNNI="1").endswith("ok")

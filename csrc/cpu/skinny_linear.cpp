@@ -143,6 +143,19 @@ void dot_tile(const float* xf, int64_t K, const T* const (&w)[kCols], const char
 // and each is as slow as its latency-bound chains.
 inline int64_t balanced_rows(int64_t M, int64_t tiles, int64_t t) { return M / tiles + (t < M % tiles ? 1 : 0); }
 
+// Weight rows of column tile t (C rows from t * C; the last tile repeats row N - 1 where N is not
+// a multiple of C: computed again, the same value stored again), and the rows `ahead` further on
+// to prefetch meanwhile (near the end the last rows again, rather than reading past the weight).
+template <int C, typename W>
+inline void tile_columns(int64_t t, int64_t N, const W* w, int64_t ldw, int64_t ahead, int64_t (&n)[C],
+                         const W* (&rows)[C], const char* (&pf)[C]) {
+  for (int c = 0; c < C; ++c) {
+    n[c] = std::min(t * C + c, N - 1);
+    rows[c] = w + n[c] * ldw;
+    pf[c] = reinterpret_cast<const char*>(w + std::min(t * C + ahead + c, N - 1) * ldw);
+  }
+}
+
 // Stores a register tile's sums as out rows [m0, m0 + rows) x columns n[c], each sum times its
 // weight row's scale when the weight is quantized (scale != null), plus the bias.
 template <int C, int R, typename O>
@@ -191,12 +204,7 @@ void stream_weight(const float* xp, int64_t M, int64_t N, int64_t K, const W* w,
       int64_t n[C];
       const W* rows[C];
       const char* pf[C];
-      for (int c = 0; c < C; ++c) {
-        n[c] = std::min(t * C + c, N - 1);
-        rows[c] = w + n[c] * ldw;
-        // Near the end the prefetch re-touches the last rows rather than reading past the weight.
-        pf[c] = reinterpret_cast<const char*>(w + std::min(t * C + kPrefetchRowsAhead + c, N - 1) * ldw);
-      }
+      tile_columns(t, N, w, ldw, kPrefetchRowsAhead, n, rows, pf);
       column_tile(xp, M, K, rows, pf, n, scale, bias, N, out);
     }
   });
@@ -285,11 +293,7 @@ SGLD_AVX512 void column_tiles(const float* xf, int64_t M, int64_t N, int64_t K, 
     int64_t n[kCols];
     const W* rows[kCols];
     const char* pf[kCols];
-    for (int c = 0; c < kCols; ++c) {
-      n[c] = std::min(t * kCols + c, N - 1);  // the last tile repeats row N - 1: same value stored again
-      rows[c] = w + n[c] * ldw;
-      pf[c] = reinterpret_cast<const char*>(w + std::min(t * kCols + kPrefetchRowsAhead + c, N - 1) * ldw);
-    }
+    tile_columns(t, N, w, ldw, kPrefetchRowsAhead, n, rows, pf);
     for (int64_t i = 0, m0 = 0; i < row_tiles; ++i) {
       const int64_t r = balanced_rows(M, row_tiles, i);
       const float* xm = xf + m0 * K;
