@@ -18,7 +18,7 @@ a line).
     python bench/bench_e2e.py [--draft DIR|NAME] [--target smollm2-135m] [--datasets gsm8k humaneval]
         [--samples 8] [--block-sizes 4 8 16] [--adaptive 8] [--tree-budgets 4 8 16 [--tree-topk 4]]
         [--temperatures 0 1] [--max-new-tokens 128]
-        [--draft-dtype auto|bfloat16|float32|int8] [--out PATH]
+        [--draft-dtype auto|bfloat16|float32|int8] [--target-dtype float32|bfloat16] [--out PATH]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from sglang_dflash.engine import HFTarget, SamplingParams, load_drafter
 from sglang_dflash.engine.compare import compare
 from sglang_dflash.engine.drafters import resolve_draft_dtype
 from sglang_dflash.engine.packaged import model_dir
+from sglang_dflash.engine.target import TARGET_DTYPES
 from sglang_dflash.models import DFlashConfig
 from sglang_dflash.train.code_prompts import complete_function_prompt
 
@@ -280,6 +281,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                         help="dtype the draft model runs in (its drafts never change the output)")
+    parser.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32",
+                        help="dtype the target runs in, plain and speculative alike (bfloat16: on AMX where the "
+                             "CPU has it)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gsm8k", type=Path, default=DEFAULT_GSM8K)
@@ -298,7 +302,7 @@ def main() -> None:
     max_block_size = DFlashConfig.from_file(draft_dir / "config.json").block_size
 
     def new_target():
-        return HFTarget.from_pretrained(target_dir)
+        return HFTarget.from_pretrained(target_dir, dtype=getattr(torch, args.target_dtype))
 
     def new_drafter(target):
         return load_drafter(draft_dir, target, args.draft_dtype)
@@ -342,6 +346,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(provenance=info, target=args.target, draft=str(args.draft),
                                    draft_dtype=resolve_draft_dtype(args.draft_dtype, "cpu"),
+                                   target_dtype=args.target_dtype,
                                    max_new_tokens=args.max_new_tokens, cases=rows,
                                    adaptive_against_fixed=summary, tree_against_chain=trees),
                               indent=2))

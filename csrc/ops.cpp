@@ -25,6 +25,7 @@ TORCH_LIBRARY(sglang_dflash, m) {
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias=None) -> Tensor");
   m.def("int8_dot_isa() -> str", &sglang_dflash::cpu::int8_dot_isa);
   m.def("float_dot_isa() -> str", &sglang_dflash::cpu::float_dot_isa);
+  m.def("bf16_dot_isa() -> str", &sglang_dflash::cpu::bf16_dot_isa);
   m.def("gumbel_argmax(Tensor scores, Tensor? ids, int seed, Tensor offsets, Tensor rows) -> Tensor");
   m.def(
       "materialize_context_kv(Tensor ctx, Tensor[] kv_weights, Tensor[]? kv_biases, Tensor[] k_norm_weights, "

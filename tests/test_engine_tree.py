@@ -184,7 +184,7 @@ def test_skipped_tree_nodes_stay_masked_out_until_one_compaction_drops_them(tiny
     dead = []
     for _ in range(2 * MAX_DEAD_COLUMNS // 4):
         tokens = torch.randint(2, TINY_VOCAB, (1, 7), generator=g)
-        logits, _ = target.verify_tree(tokens, len(committed) + depths, ancestors)
+        logits, _ = target.verify_tree(tokens, len(committed) + depths, ancestors, parents)
         expected = target.model(torch.tensor([committed + tokens[0, :1].tolist()])).logits[0, -1]
         torch.testing.assert_close(logits[0], expected, atol=2e-4, rtol=1e-4)
         target.commit_nodes(path, accept_len)

@@ -128,6 +128,49 @@ def test_avx2_path_matches_the_reference_and_is_batch_invariant_too():
     assert run_fresh_python(code, SGLANG_DFLASH_NO_AVX512="1") == "ok"
 
 
+def test_bf16_runs_on_amx_tiles_where_the_cpu_has_them():
+    """bf16 x with a bf16 weight takes AMX (skinny_linear_amx.cpp) on a CPU with AMX-BF16 (Linux
+    grants the tile state from 5.16 on), else the fp32 FMA path."""
+    isa = ops.bf16_dot_isa()
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl"} <= _cpu_flags()
+    assert isa == ("amx_bf16" if amx and platform.machine() == "x86_64" else ops.float_dot_isa())
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 16, 32), (3, 49, 64), (16, 100, 576), (17, 33, 96), (37, 130, 1536),
+                                      (5, 7, 40), (9, 31, 577)])
+def test_bf16_tiles_edges_match_reference_and_are_batch_invariant(rows, n, k):
+    """Where AMX serves bf16: partial weight tiles (n % 16), x rows past one tile (16), K with and
+    without a tail past whole 32-value steps (each its own epilogue), strided weight rows; every
+    row bitwise the same alone. Elsewhere this repeats the FMA path's checks."""
+    x, w, b = _inputs(rows, n, k, torch.bfloat16, seed=rows * 7 + n)
+    wide = torch.randn(n, k + 24).to(torch.bfloat16)
+    wide[:, :k] = w
+    for weight, bias in ((w, b), (wide[:, :k], None)):
+        full = ops.skinny_linear(x, weight, bias)
+        _assert_close(full, x, w, bias)
+        for i in (0, rows // 2, rows - 1):
+            assert torch.equal(ops.skinny_linear(x[i:i + 1], weight, bias)[0], full[i])
+        assert torch.equal(ops.skinny_linear(x[1:], weight, bias), full[1:])
+
+
+def test_bf16_fma_path_with_amx_turned_off():
+    """SGLANG_DFLASH_NO_AMX=1 (read once per process) keeps bf16 on the FMA path, within the same
+    bound and batch invariant."""
+    code = """
+        import torch
+        from sglang_dflash import ops
+        from sglang_dflash.ops.testing import skinny_linear_error_ratio
+        assert ops.bf16_dot_isa() == ops.float_dot_isa(), ops.bf16_dot_isa()
+        g = torch.Generator().manual_seed(5)
+        x, w, b = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((9, 576), (40, 576), (40,)))
+        full = ops.skinny_linear(x, w, b)
+        assert (skinny_linear_error_ratio(full, x, w, b) <= 1).all()
+        assert torch.equal(ops.skinny_linear(x[4:], w, b), full[4:])
+        print("ok")
+    """
+    assert run_fresh_python(code, SGLANG_DFLASH_NO_AMX="1") == "ok"
+
+
 def test_empty_inputs():
     assert ops.skinny_linear(torch.randn(0, 8), torch.randn(5, 8)).shape == (0, 5)
     assert ops.skinny_linear(torch.randn(3, 8), torch.randn(0, 8)).shape == (3, 0)

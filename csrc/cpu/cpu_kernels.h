@@ -47,6 +47,16 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
 // Which fp32 FMA path skinny_linear runs on this CPU: "avx512", "avx2" or "portable".
 std::string float_dot_isa();
 
+// Which path skinny_linear runs bf16 x bf16 on: "amx_bf16", else float_dot_isa()'s.
+std::string bf16_dot_isa();
+
+// skinny_linear's bf16 path on AMX tiles (skinny_linear_amx.cpp): whether this process runs it
+// (the CPU has AMX-BF16, Linux granted the tile state, SGLANG_DFLASH_NO_AMX unset; decided once),
+// and out [M, N] = x [M, K] (contiguous) @ w [N, K]^T (row stride ldw) + bias, fp32 sums.
+bool amx_bf16_wanted();
+void amx_bf16_linear(const c10::BFloat16* x, int64_t M, int64_t N, int64_t K, const c10::BFloat16* w, int64_t ldw,
+                     const c10::BFloat16* bias, c10::BFloat16* out);
+
 // out [..., N] = x [..., K] quantized to int8 per row @ weight int8 [N, K]^T, exact int32 sums
 // times the row's scale and weight_scale [N] (+ bias [N]); AVX512-VNNI where the CPU has it.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,

@@ -357,6 +357,8 @@ std::string float_dot_isa() {
 #endif
 }
 
+std::string bf16_dot_isa() { return amx_bf16_wanted() ? "amx_bf16" : float_dot_isa(); }
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& weight_scale) {
@@ -366,6 +368,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   if (M == 0 || N == 0) return out;
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const int64_t ldw = weight.stride(0);
+  if (x.scalar_type() == at::kBFloat16 && !weight_scale.has_value() && amx_bf16_wanted()) {
+    // bf16 x and (checked) weight: on AMX tiles, in bf16 (skinny_linear_amx.cpp).
+    const at::Tensor xc = x.reshape({M, K}).contiguous();
+    amx_bf16_linear(xc.const_data_ptr<at::BFloat16>(), M, N, K, weight.const_data_ptr<at::BFloat16>(), ldw,
+                    b.defined() ? b.const_data_ptr<at::BFloat16>() : nullptr, out.mutable_data_ptr<at::BFloat16>());
+    return out;
+  }
   SGLD_DISPATCH_FLOAT_TYPES(x.scalar_type(), "skinny_linear", [&] {
     // x in fp32, converted into a per-thread buffer where it is contiguous bf16 / fp16: a draft
     // step makes ~20 of these calls, and a separate conversion op (allocation, dispatch) was

@@ -291,7 +291,8 @@ class Generator:
                 choices = drafter.propose_candidates(active, anchors, start_t, depth, self.tree_topk, sampling)
                 trees = build_trees(anchors, *choices, [tree_budget] * len(active))
                 t1 = time.perf_counter()
-                logits, step_taps = target.verify_tree(trees.tokens, start_t[:, None] + trees.depths, trees.ancestors())
+                logits, step_taps = target.verify_tree(trees.tokens, start_t[:, None] + trees.depths,
+                                                       trees.ancestors(), trees.parents)
                 accept_len_t, path, out_tokens = verify_tree(trees.tokens, trees.parents, trees.depths, logits,
                                                              *sampling_args(len(active)), offsets)
                 rows_verified = trees.tokens.shape[1]

@@ -12,10 +12,20 @@ the group (a copy) and SDPA's own bool-to-additive conversion (a `where`) then r
 ~60 small ops a verify step, ~1.5 ms of SmolLM2's ~45 ms on CPU, paid by every speculative step and
 not by plain decoding, which needs no mask. The prepared additive mask is kept for the next layer
 and reused while it is the same mask tensor, unchanged, for the same group, length and dtype.
+
+Decode and verify steps (`kernel_step`, set by the target adapter around its forward) run our
+`block_attention` kernel instead, reading the cache where it lies: SDPA's result for a query row
+depends on how many rows it multiplies at once (its GEMMs block them), ~1e-5 in a fp32 logit and
+~0.3 in a bf16 one, so a verify pass did not compute what decoding token by token computes. The
+kernel streams keys in tiles of absolute positions, the same for a row of a block as for the same
+token decoded alone (a tree node at its depth's position): bit for bit what plain decoding
+computes. Prefill (the same on both sides) keeps SDPA.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 import weakref
 
@@ -23,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
+
+from sglang_dflash.ops import block_attention, runs_ours
 
 NAME = "sdpa_grouped"
 
@@ -62,12 +74,77 @@ def grouped_additive_mask(attention_mask: torch.Tensor, group: int, kv: int, dty
     return prepared
 
 
+@dataclasses.dataclass
+class KernelStep:
+    """The next forward's new tokens, `block` per batch row, against the cache's valid columns."""
+
+    context: torch.Tensor  # int64 [bs, C]: row b's valid cache columns before the block, in order (then padding)
+    ctx_lens: torch.Tensor  # int64 [bs]: how many of them
+    width: int  # cache columns before the block
+    block: int
+    tree_parents: torch.Tensor | None  # int64 [bs, block]: a draft tree's parents; None: a causal block
+    tables: dict = dataclasses.field(default_factory=dict)  # slots per batch row -> req_to_token
+
+
+_step = threading.local()  # .current: the KernelStep of the forward running on this thread
+
+
+@contextlib.contextmanager
+def kernel_step(valid: torch.Tensor, block: int, tree_parents: torch.Tensor | None = None):
+    """Within it, the attention of a forward of `block` new tokens per row over a cache whose
+    columns `valid` [bs, width] holds (left padding and rejected tree nodes are not) runs
+    `block_attention`: causal over the block, or over a draft tree's ancestors (`tree_parents`)."""
+    counts = valid.sum(1)
+    # Valid columns first, each row's in increasing order (a stable sort of "not valid").
+    order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
+    context = order[:, :max(int(counts.max()), 1) if counts.numel() else 1]
+    _step.current = KernelStep(context, counts, valid.shape[1], block, tree_parents)
+    try:
+        yield
+    finally:
+        _step.current = None
+
+
+def _kernel_attention(step: KernelStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float | None) -> torch.Tensor | None:
+    """block_attention over the cache buffer behind key / value [bs, Hkv, width + block, D] (views of
+    [bs, Hkv, capacity, D] buffers, `GrowingLayer`): row b's token t sits in slot b * Hkv *
+    capacity + t of a [slots, Hkv, D] view of it. None where the cache is laid out otherwise."""
+    bs, heads, q, dim = query.shape
+    kv_heads, columns = key.shape[1], key.shape[2]
+    capacity = key.stride(1) // dim
+    layout = (kv_heads * capacity * dim, capacity * dim, dim, 1)
+    if key.stride() != layout or value.stride() != layout or columns != step.width + q:
+        return None
+    per_row = kv_heads * capacity  # slots from one batch row to the next
+    slots = ((bs - 1) * per_row + capacity, kv_heads, dim)  # the last row's tokens end the buffer
+    k_cache = key.as_strided(slots, (dim, capacity * dim, 1))
+    v_cache = value.as_strided(slots, (dim, capacity * dim, 1))
+    table = step.tables.get(per_row)
+    if table is None:
+        rows = torch.arange(bs, device=key.device)
+        table = step.tables[per_row] = step.context + rows[:, None] * per_row
+    def rows_of(t):  # [bs, H, q, D] -> [bs * q, H, D]
+        return t.transpose(1, 2).reshape(bs * q, t.shape[1], dim)
+
+    out = block_attention(rows_of(query), rows_of(key[:, :, step.width:]), rows_of(value[:, :, step.width:]),
+                          k_cache, v_cache, table, torch.arange(bs, device=key.device), step.ctx_lens, q,
+                          scaling, causal_block=step.tree_parents is None, tree_parents=step.tree_parents)
+    return out.view(bs, q, heads, dim)
+
+
 def grouped_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query [bs, H, q, D], key/value [bs, Hkv, kv, D], mask [bs | 1, 1, q, >= kv] (bool or additive)
     -> (output [bs, q, H, D], None)."""
     bs, heads, q, dim = query.shape
+    step = getattr(_step, "current", None)
+    if (step is not None and q == step.block and getattr(module, "sliding_window", None) is None
+            and query.device.type == "cpu" and key.dtype == query.dtype and runs_ours("block_attention", "cpu")):
+        out = _kernel_attention(step, query, key, value, scaling)
+        if out is not None:
+            return out, None
     kv_heads, kv = key.shape[1], key.shape[2]
     group = heads // kv_heads
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

@@ -27,6 +27,10 @@ from sglang_dflash.ops import self_test
 # about one compaction per 20-30 tree steps of 4-8 nodes, and at most this many more columns for
 # each attention to skip meanwhile.
 MAX_DEAD_COLUMNS = 64
+# What a target may run in: its linear layers are batch invariant in both (models/skinny.py), so
+# verifying a block computes what decoding it token by token computes. bfloat16 halves the bytes a
+# step reads, and on a CPU with AMX its verified rows cost little more than one (`bf16_dot_isa`).
+TARGET_DTYPES = ("float32", "bfloat16")
 # transformers 5.24 renamed the forward's `past_key_values=` to `cache=` (old name deprecated).
 _CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
 
@@ -162,21 +166,23 @@ class HFTarget:
         """
         bs, block = tokens.shape
         mask = torch.cat([self._valid, self._valid.new_ones(bs, block)], dim=1)
-        out = self._forward(tokens, positions, mask.long(), self._cache)
+        with grouped_attention.kernel_step(self._valid, block):
+            out = self._forward(tokens, positions, mask.long(), self._cache)
         self._valid, self._block = mask, block
         return out.logits.reshape(bs * block, -1), self.take_taps()
 
     @torch.no_grad()
-    def verify_tree(self, tokens: torch.Tensor, positions: torch.Tensor,
-                    ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify_tree(self, tokens: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor,
+                    parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append the N nodes of a draft tree per row, tokens and absolute positions [bs, N]: node i
         attends to the row's cache and to the nodes j with ancestors[b, i, j] (itself and its
-        ancestors, `DraftTrees.ancestors`). Returns logits [bs*N, V] and taps [bs, N, K*H] (or
-        None). Call `commit_nodes` next."""
+        ancestors, `DraftTrees.ancestors`; `parents` [bs, N]: the same tree as parent indices).
+        Returns logits [bs*N, V] and taps [bs, N, K*H] (or None). Call `commit_nodes` next."""
         bs, n = tokens.shape
         width = self._valid.shape[1]
         mask = torch.cat([self._valid[:, None, None, :].expand(bs, 1, n, width), ancestors[:, None]], dim=-1)
-        out = self._forward(tokens, positions, mask, self._cache)  # a 4-D mask is used as given
+        with grouped_attention.kernel_step(self._valid, n, parents):
+            out = self._forward(tokens, positions, mask, self._cache)  # a 4-D mask is used as given
         self._valid, self._block = torch.cat([self._valid, self._valid.new_ones(bs, n)], dim=1), n
         return out.logits.reshape(bs * n, -1), self.take_taps()
 

@@ -21,6 +21,7 @@ from sglang_dflash._extension import ops as _ops
 from sglang_dflash.ops import reference
 
 __all__ = [
+    "bf16_dot_isa",
     "block_attention",
     "canonical_device",
     "check_device_errors",
@@ -294,6 +295,15 @@ def float_dot_isa() -> str:
     "portable". Chosen once per process: each path is batch invariant, and the two differ in the
     last bits."""
     return _ops().float_dot_isa()
+
+
+def bf16_dot_isa() -> str:
+    """The path skinny_linear runs bf16 x with a bf16 weight on: "amx_bf16" (AMX tiles, 16 weight
+    rows x 16 x rows x 32 k an instruction: a verify of up to 16 rows costs about what one row
+    costs), else `float_dot_isa()`'s. AMX needs the CPU's AMX-BF16 and Linux's grant of the tile
+    state; SGLANG_DFLASH_NO_AMX=1 set before the first call keeps the FMA path. Chosen once per
+    process (the two sum in different orders)."""
+    return _ops().bf16_dot_isa()
 
 
 def int8_dot_isa() -> str:

@@ -1,0 +1,242 @@
+// skinny_linear's bf16 path on AMX tiles (Intel Xeon 4th generation and later): bf16 x, bf16
+// weight, fp32 sums, one rounding to bf16 at the end.
+//
+// The fp32 FMA paths (skinny_linear.cpp) convert bf16 to fp32 and are bound by their FMAs past
+// ~5 rows on 2 cores: each verified row costs as much as a decode step's worth of weight reading.
+// One TDPBF16PS multiplies a 16 x 32 weight tile by a 32 x 16 x tile (8192 products), so with AMX
+// a verify of up to 16 rows reads the weight once and costs about what one row costs. The weight
+// is used as it lies: its rows are the tile's A operand (16 rows x 32 bf16, 64 bytes each, the
+// row stride of the weight), and x, re-laid once a call into VNNI pairs, is the B operand; the
+// 16 x 16 fp32 accumulator tile holds weight rows x x rows.
+//
+// Batch invariance: out[m, n] is the accumulator's (n, m) element, built by the same sequence of
+// TDPBF16PS over k (32 at a time, in order), then the K tail (K % 32) in fp32 in order, then the
+// bias: it depends on x row m and weight row n only, never on the other rows or their count. The
+// products of bf16 values are exact in fp32, as on the FMA paths; only the order of the fp32 sums
+// differs (and AMX reads bf16 denormals as zero), so AMX and FMA results differ in the last bits,
+// and the path is chosen once per process (SGLANG_DFLASH_NO_AMX=1 keeps the FMA path).
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SGLD_HAS_AMX 1
+#endif
+
+namespace sglang_dflash::cpu {
+
+#if SGLD_HAS_AMX
+namespace {
+#define SGLD_AMX_BF16 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+constexpr int64_t kTile = 16;  // weight rows (A tile rows) and x rows (B tile columns) a tile
+constexpr int64_t kStep = 32;  // bf16 values of k a tile row holds (64 bytes)
+constexpr int64_t kTileValues = kTile * kStep;
+constexpr int64_t kPrefetchTilesAhead = 4;  // weight row tiles, into L2 while these are multiplied
+
+// LDTILECFG's 64-byte operand, palette 1: every tile used is 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile registers (literals: the intrinsics paste them into the instruction): accumulators of two
+// weight row tiles (two independent TDPBF16PS chains, which hide the instruction's latency), their
+// A operands, and the x tile.
+#define SGLD_TILE_SUM0 0
+#define SGLD_TILE_SUM1 1
+#define SGLD_TILE_WEIGHT0 2
+#define SGLD_TILE_WEIGHT1 3
+#define SGLD_TILE_X 4
+constexpr int kTilesUsed = 5;
+
+TileConfig tile_config() {
+  TileConfig config;
+  for (int t = 0; t < kTilesUsed; ++t) {
+    config.bytes_per_row[t] = kStep * sizeof(c10::BFloat16);
+    config.rows[t] = kTile;
+  }
+  return config;
+}
+
+// AMX-TILE and AMX-BF16, and the AVX-512 parts of the epilogue (every CPU with AMX has them).
+bool cpu_has_amx_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  __builtin_cpu_init();
+  return (edx & (1u << 24)) && (edx & (1u << 22)) && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+// Linux hands out the 8 KiB of tile state per process on request only (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); it refuses where the kernel or the VM lacks it.
+bool tile_data_granted() {
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// x [M, K] as B tiles: for x rows [16 mb, 16 mb + 16) and k [32 kb, 32 kb + 32), tile (mb, kb) is
+// 16 rows of k pairs, each holding (x[m, k], x[m, k + 1]) for the 16 rows m (rows past M are 0):
+// x's pairs as 32-bit words, transposed.
+void pack_x(const c10::BFloat16* x, int64_t M, int64_t K, std::vector<uint32_t>& packed) {
+  constexpr int64_t kPairs = kStep / 2;
+  const int64_t row_tiles = (M + kTile - 1) / kTile, k_tiles = K / kStep;
+  packed.assign(row_tiles * k_tiles * kTile * kPairs, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    uint32_t* column = packed.data() + (m / kTile) * k_tiles * kTile * kPairs + m % kTile;
+    for (int64_t kb = 0; kb < k_tiles; ++kb) {
+      uint32_t pairs[kPairs];
+      std::memcpy(pairs, x + m * K + kb * kStep, sizeof(pairs));
+      for (int64_t p = 0; p < kPairs; ++p) column[(kb * kPairs + p) * kTile] = pairs[p];
+    }
+  }
+}
+
+// A weight row tile as A operand rows: the weight itself, or for the last tile of an N that is
+// not a multiple of 16, its rows copied into `padded` (zeros below them: no read past the weight).
+struct WeightTile {
+  const c10::BFloat16* rows;
+  int64_t stride;  // elements between rows
+  int64_t count;   // real rows
+};
+
+WeightTile weight_tile(const c10::BFloat16* w, int64_t ldw, int64_t N, int64_t K, int64_t t,
+                       std::vector<c10::BFloat16>& padded) {
+  const int64_t n0 = t * kTile, count = std::min(kTile, N - n0);
+  if (count == kTile) return {w + n0 * ldw, ldw, count};
+  padded.assign(kTile * K, c10::BFloat16(0.0f));
+  for (int64_t r = 0; r < count; ++r) std::memcpy(padded.data() + r * K, w + (n0 + r) * ldw, K * sizeof(c10::BFloat16));
+  return {padded.data(), K, count};
+}
+
+// out rows [m0, m0 + rows) x weight tile t's columns from the accumulator sums[n][m]: plus the
+// K tail in fp32 in k order, plus the bias, one rounding (to nearest even). Without a K tail, 16
+// columns at a time: a gathered accumulator column, the bias, VCVTNEPS2BF16 (which reads fp32
+// denormals as zero; the scalar path keeps them: a path per K, so batch invariance holds).
+SGLD_AMX_BF16 void store_tile(const float (&sums)[kTile][kTile], const WeightTile& wt, int64_t t,
+                              const c10::BFloat16* x, int64_t m0, int64_t rows, int64_t K,
+                              const c10::BFloat16* bias, int64_t N, c10::BFloat16* out) {
+  const int64_t k_full = K - K % kStep;
+  if (k_full == K) {
+    const __mmask16 columns = static_cast<__mmask16>((1u << wt.count) - 1);
+    const __m512i sum_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(kTile));
+    __m512 b = _mm512_setzero_ps();
+    if (bias != nullptr) {
+      const __m256i raw = _mm256_maskz_loadu_epi16(columns, bias + t * kTile);
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      __m512 v = _mm512_i32gather_ps(sum_rows, &sums[0][m], sizeof(float));
+      if (bias != nullptr) v = _mm512_add_ps(v, b);
+      _mm256_mask_storeu_epi16(out + (m0 + m) * N + t * kTile, columns, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+    return;
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const c10::BFloat16* xr = x + (m0 + m) * K;
+    for (int64_t n = 0; n < wt.count; ++n) {
+      float sum = sums[n][m];
+      const c10::BFloat16* wr = wt.rows + n * wt.stride;
+      for (int64_t k = k_full; k < K; ++k) sum += static_cast<float>(xr[k]) * static_cast<float>(wr[k]);
+      if (bias != nullptr) sum += static_cast<float>(bias[t * kTile + n]);
+      out[(m0 + m) * N + t * kTile + n] = c10::BFloat16(sum);
+    }
+  }
+}
+
+// Meanwhile the weight rows `prefetch` go into L2, a cache line of each per k step.
+template <bool pair>
+SGLD_AMX_BF16 void multiply_tiles(const WeightTile& a, const WeightTile& b, const uint32_t* x_tiles,
+                                  int64_t k_tiles, const char* const (&prefetch)[2 * kTile],
+                                  float (&sums_a)[kTile][kTile], float (&sums_b)[kTile][kTile]) {
+  _tile_zero(SGLD_TILE_SUM0);
+  if constexpr (pair) _tile_zero(SGLD_TILE_SUM1);
+  for (int64_t kb = 0; kb < k_tiles; ++kb) {
+    for (const char* row : prefetch) _mm_prefetch(row + kb * kStep * sizeof(c10::BFloat16), _MM_HINT_T1);
+    _tile_loadd(SGLD_TILE_X, x_tiles + kb * kTileValues / 2, kTile * sizeof(uint32_t));
+    _tile_loadd(SGLD_TILE_WEIGHT0, a.rows + kb * kStep, a.stride * sizeof(c10::BFloat16));
+    if constexpr (pair) _tile_loadd(SGLD_TILE_WEIGHT1, b.rows + kb * kStep, b.stride * sizeof(c10::BFloat16));
+    _tile_dpbf16ps(SGLD_TILE_SUM0, SGLD_TILE_WEIGHT0, SGLD_TILE_X);
+    if constexpr (pair) _tile_dpbf16ps(SGLD_TILE_SUM1, SGLD_TILE_WEIGHT1, SGLD_TILE_X);
+  }
+  _tile_stored(SGLD_TILE_SUM0, sums_a, kTile * sizeof(float));
+  if constexpr (pair) _tile_stored(SGLD_TILE_SUM1, sums_b, kTile * sizeof(float));
+}
+
+// Weight row tiles [begin, end), two at a time, against every x row tile.
+SGLD_AMX_BF16 void row_tiles(const c10::BFloat16* x, const uint32_t* x_tiles, int64_t M, int64_t N, int64_t K,
+                             const c10::BFloat16* w, int64_t ldw, const c10::BFloat16* bias, c10::BFloat16* out,
+                             int64_t begin, int64_t end) {
+  static const TileConfig config = tile_config();
+  _tile_loadconfig(&config);  // tile configuration is per thread
+  thread_local std::vector<c10::BFloat16> padded;
+  const int64_t k_tiles = K / kStep, x_row_tiles = (M + kTile - 1) / kTile;
+  float sums_a[kTile][kTile], sums_b[kTile][kTile];
+  const char* prefetch[2 * kTile];
+  for (int64_t t = begin; t < end; t += 2) {
+    const bool pair = t + 1 < end;
+    const WeightTile a = weight_tile(w, ldw, N, K, t, padded);
+    // Only the last tile of the weight can be partial, so `padded` serves one tile at a time.
+    const WeightTile b = pair ? weight_tile(w, ldw, N, K, t + 1, padded) : a;
+    for (int64_t r = 0; r < 2 * kTile; ++r)  // near the end the last row again, not past the weight
+      prefetch[r] = reinterpret_cast<const char*>(w + std::min((t + kPrefetchTilesAhead) * kTile + r, N - 1) * ldw);
+    for (int64_t mb = 0; mb < x_row_tiles; ++mb) {
+      const uint32_t* xt = x_tiles + mb * k_tiles * kTileValues / 2;
+      if (pair) {
+        multiply_tiles<true>(a, b, xt, k_tiles, prefetch, sums_a, sums_b);
+      } else {
+        multiply_tiles<false>(a, b, xt, k_tiles, prefetch, sums_a, sums_b);
+      }
+      const int64_t m0 = mb * kTile, rows = std::min(kTile, M - m0);
+      store_tile(sums_a, a, t, x, m0, rows, K, bias, N, out);
+      if (pair) store_tile(sums_b, b, t + 1, x, m0, rows, K, bias, N, out);
+    }
+  }
+  _tile_release();
+}
+}  // namespace
+#endif  // SGLD_HAS_AMX
+
+bool amx_bf16_wanted() {
+#if SGLD_HAS_AMX
+  static const bool wanted = !turned_off_by("SGLANG_DFLASH_NO_AMX") && cpu_has_amx_bf16() && tile_data_granted();
+  return wanted;
+#else
+  return false;
+#endif
+}
+
+void amx_bf16_linear(const c10::BFloat16* x, int64_t M, int64_t N, int64_t K, const c10::BFloat16* w, int64_t ldw,
+                     const c10::BFloat16* bias, c10::BFloat16* out) {
+#if SGLD_HAS_AMX
+  thread_local std::vector<uint32_t> x_tiles;
+  pack_x(x, M, K, x_tiles);
+  const uint32_t* xt = x_tiles.data();  // the calling thread's, read by every worker
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  // ~64 KiB of weight a task, in pairs of tiles.
+  const int64_t grain = std::max<int64_t>(2, 65536 / (kTile * std::max<int64_t>(K, 1) * 2) / 2 * 2);
+  at::parallel_for(0, (tiles + 1) / 2, std::max<int64_t>(1, grain / 2), [&](int64_t begin, int64_t end) {
+    row_tiles(x, xt, M, N, K, w, ldw, bias, out, 2 * begin, std::min(2 * end, tiles));
+  });
+#else
+  TORCH_CHECK(false, "sglang_dflash.skinny_linear: AMX path called on a build without it");
+#endif
+}
+
+}  // namespace sglang_dflash::cpu
