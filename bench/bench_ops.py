@@ -11,9 +11,10 @@ weight (what that drafter ran before); its weights are SmolLM2-135M's shapes, as
 the model has layers, so they stream from memory as in a decode step rather than sitting in cache.
 w8a8_linear's baseline is skinny_linear on the same int8 weights (the drafter's path without VNNI).
 On a CPU with AVX-512, skinny_linear's AVX-512 path is also timed against its AVX2 path (run in a
-child process, in turns) at the fp32 rows of draft-tree verifies.
-target_verify times a whole verify forward of the packaged target against the attention mask path
-it replaced (alternating calls).
+child process, in turns) at the fp32 rows of draft-tree verifies, and on a CPU with AMX its bf16
+path on AMX tiles against the AVX-512 FMA path.
+target_verify times a whole verify forward of the packaged target (fp32 and bf16) with its
+attention through block_attention against the SDPA path it replaced (alternating calls).
 
     python bench/bench_ops.py [--quick] [--out bench/results/cpu_ops.json]
 """
@@ -208,12 +209,20 @@ def bench_skinny_linear(shape, repeats):
                 ratio=base / kernel, kernel_GBps=gbps)
 
 
-# (rows, N, K, copies): the fp32 target's MLP projections (K = 576 and 1536) and LM head at the
-# verify rows of draft trees of 4, 8 and 15 nodes, on skinny_linear's AVX-512 path against its
-# AVX2 path (float_dot_isa); the path is chosen once per process, so AVX2 runs in a child process,
-# the two timed in turns.
-FMA_PATH_SHAPES = [(5, 1536, 576, 30), (9, 1536, 576, 30), (16, 1536, 576, 30), (9, 576, 1536, 30),
-                   (9, 49152, 576, 1)]
+# (rows, N, K, copies, dtype): the target's MLP projections (K = 576 and 1536) and LM head at the
+# verify rows of draft trees of 4, 8 and 15 nodes, on skinny_linear's widest path for the dtype
+# against the next narrower one: fp32 AVX-512 against AVX2 (float_dot_isa), bf16 AMX tiles against
+# the AVX-512 FMA path (bf16_dot_isa; plus 1 row, plain decoding). The path is chosen once per
+# process, so the narrower one runs in a child process, the two timed in turns.
+FMA_PATH_SHAPES = [(5, 1536, 576, 30, torch.float32), (9, 1536, 576, 30, torch.float32),
+                   (16, 1536, 576, 30, torch.float32), (9, 576, 1536, 30, torch.float32),
+                   (9, 49152, 576, 1, torch.float32)]
+AMX_PATH_SHAPES = [(1, 1536, 576, 30, torch.bfloat16), (5, 1536, 576, 30, torch.bfloat16),
+                   (9, 1536, 576, 30, torch.bfloat16), (16, 1536, 576, 30, torch.bfloat16),
+                   (9, 576, 1536, 30, torch.bfloat16), (9, 49152, 576, 1, torch.bfloat16)]
+# What each comparison turns off in the child process, and how the paths are named.
+NARROWER_PATHS = {"fma": ("SGLANG_DFLASH_NO_AVX512", "skinny_linear avx2", ops.float_dot_isa),
+                  "amx": ("SGLANG_DFLASH_NO_AMX", "skinny_linear avx512 fma", ops.bf16_dot_isa)}
 
 
 # Each process waits this long before it times: the other one's OpenMP threads spin for some
@@ -221,20 +230,22 @@ FMA_PATH_SHAPES = [(5, 1536, 576, 30), (9, 1536, 576, 30), (16, 1536, 576, 30), 
 QUIET_S = 0.05
 
 
-def fp32_linear_calls(shape):
-    """One call per weight copy, on seeded random inputs (the same in every process)."""
-    weights, x = seeded_linear_inputs(*shape)
+def linear_calls(shape):
+    """One call per weight copy, on seeded random inputs in `dtype` (the same in every process)."""
+    rows, n, k, copies, dtype = shape
+    weights, x = seeded_linear_inputs(rows, n, k, copies)
+    weights, x = [w.to(dtype) for w in weights], x.to(dtype)
     return lambda: [ops.skinny_linear(x, w) for w in weights]
 
 
 def time_on_request(conn):
-    """The child of bench_fma_paths: per shape received, warm up, then time one round of calls per
+    """The child of bench_paths: per shape received, warm up, then time one round of calls per
     request; None ends it. It says "ready" first, once its imports are done."""
     conn.send("ready")
     calls, shape = None, None
     while (request := conn.recv()) is not None:
         if request != shape:
-            shape, calls = request, fp32_linear_calls(request)
+            shape, calls = request, linear_calls(request)
             for _ in range(3):
                 calls()
         time.sleep(QUIET_S)
@@ -244,21 +255,21 @@ def time_on_request(conn):
 
 
 @contextlib.contextmanager
-def avx2_process():
-    """A child process whose skinny_linear runs the AVX2 path (SGLANG_DFLASH_NO_AVX512=1 at its
-    start), serving time_on_request."""
+def narrower_path_process(switch: str):
+    """A child process started with the environment switch `switch`=1 (its skinny_linear on the
+    narrower path), serving time_on_request."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    before = os.environ.get("SGLANG_DFLASH_NO_AVX512")
-    os.environ["SGLANG_DFLASH_NO_AVX512"] = "1"
+    before = os.environ.get(switch)
+    os.environ[switch] = "1"
     try:
         proc = ctx.Process(target=time_on_request, args=(child,), daemon=True)
         proc.start()
     finally:
         if before is None:
-            os.environ.pop("SGLANG_DFLASH_NO_AVX512")
+            os.environ.pop(switch)
         else:
-            os.environ["SGLANG_DFLASH_NO_AVX512"] = before
+            os.environ[switch] = before
     try:
         parent.recv()  # its start-up (imports) would otherwise slow the first cases timed here
         yield parent
@@ -267,23 +278,24 @@ def avx2_process():
         proc.join(timeout=60)
 
 
-def bench_fma_paths(shape, repeats, avx2):
-    rows, n, k, copies = shape
-    calls = fp32_linear_calls(shape)
+def bench_paths(shape, repeats, child, baseline, isa):
+    rows, n, k, copies, dtype = shape
+    calls = linear_calls(shape)
     for _ in range(3):
         calls()
-    times, avx2_times = [], []
+    times, child_times = [], []
     for _ in range(repeats):
         time.sleep(QUIET_S)
         start = time.perf_counter()
         calls()
         times.append(time.perf_counter() - start)
-        avx2.send(shape)
-        avx2_times.append(avx2.recv())
-    kernel, base = statistics.median(times), statistics.median(avx2_times)
-    return dict(op="skinny_linear", rows=rows, N=n, K=k, copies=copies, dtype="float32", isa=ops.float_dot_isa(),
-                baseline="skinny_linear avx2", kernel_ms=kernel * 1e3, reference_ms=base * 1e3, ratio=base / kernel,
-                kernel_GBps=copies * (n + rows) * k * 4 / kernel / 1e9)
+        child.send(shape)
+        child_times.append(child.recv())
+    kernel, base = statistics.median(times), statistics.median(child_times)
+    size = torch.finfo(dtype).bits // 8
+    return dict(op="skinny_linear", rows=rows, N=n, K=k, copies=copies, dtype=str(dtype).removeprefix("torch."),
+                isa=isa(), baseline=baseline, kernel_ms=kernel * 1e3, reference_ms=base * 1e3, ratio=base / kernel,
+                kernel_GBps=copies * (n + rows) * k * size / kernel / 1e9)
 
 
 # (rows, N, K, copies): the shipped drafter's int8 layers, an MLP projection (N x K as gate / up,
@@ -372,30 +384,27 @@ TARGET = "smollm2-135m"  # the packaged target of the target_verify rows
 
 
 @contextlib.contextmanager
-def per_layer_mask_path():
-    """The grouped attention as it was before it kept its prepared mask: every layer repeats HF's
-    boolean mask over its query group (a copy) and SDPA converts it to additive itself."""
+def sdpa_attention_path():
+    """The target's decode and verify attention as it was before it ran block_attention: SDPA with
+    the mask prepared once per forward (grouped_attention without a kernel_step)."""
     from sglang_dflash.engine import grouped_attention
 
-    def repeated_bool_mask(mask, group, kv, dtype):
-        return grouped_attention.repeat_over_group(mask[..., :kv], group)
-
-    saved = grouped_attention.grouped_additive_mask
-    grouped_attention.grouped_additive_mask = repeated_bool_mask
+    saved = grouped_attention.kernel_step
+    grouped_attention.kernel_step = lambda *args: contextlib.nullcontext()
     try:
         yield
     finally:
-        grouped_attention.grouped_additive_mask = saved
+        grouped_attention.kernel_step = saved
 
 
 def bench_target_verify(shape, repeats):
-    """One verify forward of the packaged SmolLM2-135M target (fp32, bs 1, `context` tokens) over
-    a block, rolled back after each call: its attention with the mask prepared once per forward,
-    against the per-layer mask path it replaced. Both include the whole target forward."""
+    """One verify forward of the packaged SmolLM2-135M target (bs 1, `context` tokens) over a block,
+    rolled back after each call: its attention through block_attention (bit for bit what decoding
+    computes), against the SDPA path it replaced. Both include the whole target forward."""
     from sglang_dflash.engine import HFTarget
 
-    block_size, context = shape
-    target = HFTarget.from_pretrained(model_dir(TARGET))
+    block_size, context, dtype = shape
+    target = HFTarget.from_pretrained(model_dir(TARGET), dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     target.prefill([torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()])
     tokens = torch.randint(0, target.vocab_size, (1, block_size), generator=gen)
@@ -407,14 +416,14 @@ def bench_target_verify(shape, repeats):
         target.commit(keep_none)
 
     def baseline_step():
-        with per_layer_mask_path():
+        with sdpa_attention_path():
             step()
 
     kernel, baseline = paired_median_times(step, baseline_step, repeats * 4)
     weights = sum(p.nbytes for p in target.model.parameters())
-    return dict(op="target_verify", B=block_size, ctx=context, dtype="float32", baseline="per-layer mask",
-                kernel_ms=kernel * 1e3, reference_ms=baseline * 1e3, ratio=baseline / kernel,
-                kernel_GBps=weights / kernel / 1e9)
+    return dict(op="target_verify", B=block_size, ctx=context, dtype=str(dtype).removeprefix("torch."),
+                baseline="SDPA attention", kernel_ms=kernel * 1e3, reference_ms=baseline * 1e3,
+                ratio=baseline / kernel, kernel_GBps=weights / kernel / 1e9)
 
 
 def main():
@@ -426,18 +435,22 @@ def main():
     # the other ops random inputs. Collected before the run loads the machine.
     info = run_info({"target": model_dir(TARGET), "draft": resolve_draft(SHIPPED_DRAFTER)})
     repeats = 3 if opts.quick else 10
-    with contextlib.ExitStack() as stack:  # the AVX2 child process, where there is one
+    with contextlib.ExitStack() as stack:  # the narrower paths' child processes, where there are some
         jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_skinny_linear, s) for s in LINEAR_SHAPES[: 1 if opts.quick else None]]
-        if ops.float_dot_isa() == "avx512":
-            avx2 = stack.enter_context(avx2_process())
-            fma_paths = functools.partial(bench_fma_paths, avx2=avx2)
-            jobs += [(fma_paths, s) for s in FMA_PATH_SHAPES[: 1 if opts.quick else None]]
+        for name, shapes, widest in (("fma", FMA_PATH_SHAPES, ops.float_dot_isa() == "avx512"),
+                                     ("amx", AMX_PATH_SHAPES, ops.bf16_dot_isa() == "amx_bf16")):
+            if widest:
+                switch, baseline, isa = NARROWER_PATHS[name]
+                child = stack.enter_context(narrower_path_process(switch))
+                paths = functools.partial(bench_paths, child=child, baseline=baseline, isa=isa)
+                jobs += [(paths, s) for s in shapes[: 1 if opts.quick else None]]
         jobs += [(bench_w8a8_linear, s) for s in W8A8_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_rms_norm_rope, s) for s in NORM_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_draft_forward, b) for b in [2, 4, 8][: 1 if opts.quick else None]]
-        verify_shapes = [(2, 300), (4, 300), (8, 300), (4, 1500)]
+        verify_shapes = [(2, 300, torch.float32), (4, 300, torch.float32), (9, 300, torch.float32),
+                         (4, 1500, torch.float32), (1, 300, torch.bfloat16), (9, 300, torch.bfloat16)]
         jobs += [(bench_target_verify, s) for s in verify_shapes[: 1 if opts.quick else None]]
         # This VM's memory bandwidth drifts (27-53 GB/s seen on one machine): the best of a probe
         # before and one after the cases.

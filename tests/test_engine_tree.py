@@ -167,6 +167,26 @@ def test_greedy_tree_generation_equals_plain_greedy(tiny, budget, topk, batch):
             "some accepted path must skip nodes (else masking the skipped ones out is untested)"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_target_trees_and_chains_equal_its_plain_decoding(arch):
+    """A bf16 target (skinny_linear on AMX tiles where the CPU has them): every verified row is bit
+    for bit what plain decoding computes, so greedy trees and chains and seeded sampled trees give
+    plain bf16 decoding's output exactly, though bf16 logits have near-ties aplenty."""
+    target = tiny_target(arch)
+    target.model.to(torch.bfloat16)
+    plain = Generator(target, NoDrafter(), 1)
+    for params in (SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(STOP_TOKEN,)),
+                   SamplingParams(temperature=1.0, seed=3, max_new_tokens=MAX_NEW, stop_token_ids=(STOP_TOKEN,))):
+        refs = [r.output_ids for r in plain.generate(PROMPTS, params)]
+        continuations = [p + r for p, r in zip(PROMPTS, refs, strict=True)]
+        for budget in (0, 8):
+            oracle = CandidateOracle(random_draft(target).to(torch.bfloat16), target, continuations, seed=budget)
+            results = Generator(target, oracle, 6, tree_budget=budget).generate(PROMPTS, params)
+            assert [r.output_ids for r in results] == refs, (params.temperature, budget)
+            if budget:  # the oracle serves trees (a chain takes the random drafter's proposals)
+                assert max(len(s) for r in results for s in r.steps) >= 3, "paths of several nodes"
+
+
 def test_skipped_tree_nodes_stay_masked_out_until_one_compaction_drops_them(tiny):
     """commit_nodes leaves the nodes off the accepted path in the cache, masked out, and compacts
     once MAX_DEAD_COLUMNS of them pile up: the target's next logits must be those of a plain
