@@ -83,6 +83,7 @@ class KernelStep:
     width: int  # cache columns before the block
     block: int
     tree_parents: torch.Tensor | None  # int64 [bs, block]: a draft tree's parents; None: a causal block
+    rows: torch.Tensor  # arange(bs): req_pool_indices
     tables: dict = dataclasses.field(default_factory=dict)  # slots per batch row -> req_to_token
 
 
@@ -98,7 +99,8 @@ def kernel_step(valid: torch.Tensor, block: int, tree_parents: torch.Tensor | No
     # Valid columns first, each row's in increasing order (a stable sort of "not valid").
     order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
     context = order[:, :max(int(counts.max()), 1) if counts.numel() else 1]
-    _step.current = KernelStep(context, counts, valid.shape[1], block, tree_parents)
+    rows = torch.arange(valid.shape[0], device=valid.device)
+    _step.current = KernelStep(context, counts, valid.shape[1], block, tree_parents, rows)
     try:
         yield
     finally:
@@ -122,14 +124,16 @@ def _kernel_attention(step: KernelStep, query: torch.Tensor, key: torch.Tensor, 
     v_cache = value.as_strided(slots, (dim, capacity * dim, 1))
     table = step.tables.get(per_row)
     if table is None:
-        rows = torch.arange(bs, device=key.device)
-        table = step.tables[per_row] = step.context + rows[:, None] * per_row
-    def rows_of(t):  # [bs, H, q, D] -> [bs * q, H, D]
-        return t.transpose(1, 2).reshape(bs * q, t.shape[1], dim)
+        table = step.tables[per_row] = step.context + step.rows[:, None] * per_row
 
-    out = block_attention(rows_of(query), rows_of(key[:, :, step.width:]), rows_of(value[:, :, step.width:]),
-                          k_cache, v_cache, table, torch.arange(bs, device=key.device), step.ctx_lens, q,
-                          scaling, causal_block=step.tree_parents is None, tree_parents=step.tree_parents)
+    def block_rows(t):  # the block's K or V [bs, Hkv, q, D] -> [bs * q, Hkv, D]: a view at batch size 1
+        if bs == 1:
+            return t.as_strided((q, kv_heads, dim), (dim, capacity * dim, 1), t.storage_offset() + step.width * dim)
+        return t[:, :, step.width:].transpose(1, 2).reshape(bs * q, kv_heads, dim)
+
+    out = block_attention(query.transpose(1, 2).reshape(bs * q, heads, dim), block_rows(key), block_rows(value),
+                          k_cache, v_cache, table, step.rows, step.ctx_lens, q, scaling,
+                          causal_block=step.tree_parents is None, tree_parents=step.tree_parents)
     return out.view(bs, q, heads, dim)
 
 
