@@ -229,9 +229,9 @@ void amx_bf16_linear(const c10::BFloat16* x, int64_t M, int64_t N, int64_t K, co
   pack_x(x, M, K, x_tiles);
   const uint32_t* xt = x_tiles.data();  // the calling thread's, read by every worker
   const int64_t tiles = (N + kTile - 1) / kTile;
-  // ~64 KiB of weight a task, in pairs of tiles.
-  const int64_t grain = std::max<int64_t>(2, 65536 / (kTile * std::max<int64_t>(K, 1) * 2) / 2 * 2);
-  at::parallel_for(0, (tiles + 1) / 2, std::max<int64_t>(1, grain / 2), [&](int64_t begin, int64_t end) {
+  // Tasks of pairs of weight tiles (row_tiles' passes), ~64 KiB of weight a task.
+  const int64_t pair_bytes = 2 * kTile * std::max<int64_t>(K, 1) * sizeof(c10::BFloat16);
+  at::parallel_for(0, (tiles + 1) / 2, std::max<int64_t>(1, 65536 / pair_bytes), [&](int64_t begin, int64_t end) {
     row_tiles(x, xt, M, N, K, w, ldw, bias, out, 2 * begin, std::min(2 * end, tiles));
   });
 #else

@@ -126,9 +126,7 @@ def _kernel_attention(step: KernelStep, query: torch.Tensor, key: torch.Tensor, 
     if table is None:
         table = step.tables[per_row] = step.context + step.rows[:, None] * per_row
 
-    def block_rows(t):  # the block's K or V [bs, Hkv, q, D] -> [bs * q, Hkv, D]: a view at batch size 1
-        if bs == 1:
-            return t.as_strided((q, kv_heads, dim), (dim, capacity * dim, 1), t.storage_offset() + step.width * dim)
+    def block_rows(t):  # the block's K or V [bs, Hkv, q, D] -> [bs * q, Hkv, D] (a view at batch size 1)
         return t[:, :, step.width:].transpose(1, 2).reshape(bs * q, kv_heads, dim)
 
     out = block_attention(query.transpose(1, 2).reshape(bs * q, heads, dim), block_rows(key), block_rows(value),
