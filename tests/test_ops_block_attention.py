@@ -12,6 +12,7 @@ from sglang_dflash import ops
 from sglang_dflash.ops import reference
 from sglang_dflash.ops.testing import make_attention_inputs as make_inputs
 from sglang_dflash.ops.testing import make_tree
+from tests.dflash_testlib import run_fresh_python
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = list(TOLERANCE)
@@ -192,3 +193,41 @@ def test_chain_tree_is_causal_block_bit_for_bit():
         chain = (torch.arange(block) - 1).expand(3, block)
         causal = ops.block_attention(**args, block_size=block, causal_block=True)
         assert torch.equal(ops.block_attention(**args, block_size=block, tree_parents=chain), causal)
+
+
+def test_avx2_path_gives_the_avx512_paths_bits(tmp_path):
+    """On a CPU with AVX-512 the tiles' GEMMs run 16 lanes wide; SGLANG_DFLASH_NO_AVX512=1 (in a
+    fresh process: the path is chosen once per process) keeps the 8 lanes every AVX2 CPU runs.
+    Each element is the same FMA chain on both, so the outputs are the same bits: chains, trees
+    and decodes, query rows across and not across whole vectors, head dims of 36, 64 and 72."""
+    if ops.float_dot_isa() != "avx512":
+        pytest.skip("this CPU has no AVX-512 path to compare")
+    code = """
+        import torch
+        from sglang_dflash import ops
+        from sglang_dflash.ops.testing import make_attention_inputs, make_tree
+        cases = [
+            (1, 1, 9, 3, 64, [300], torch.bfloat16, None), (1, 5, 9, 3, 64, [300], torch.bfloat16, None),
+            (2, 9, 9, 3, 64, [70, 200], torch.float32, None), (1, 16, 9, 3, 64, [130], torch.float16, None),
+            (3, 6, 12, 3, 36, [0, 64, 65], torch.float32, None), (1, 11, 8, 2, 72, [90], torch.bfloat16, None),
+            (2, 9, 9, 3, 64, [61, 150], torch.bfloat16, 3), (1, 33, 4, 1, 64, [40], torch.float32, 4),
+        ]
+        outs = []
+        for i, (bs, block, hq, hkv, d, ctx, dtype, tree_seed) in enumerate(cases):
+            args = make_attention_inputs(bs, block, hq, hkv, d, ctx, dtype, seed=i)
+            if tree_seed is None:
+                outs.append(ops.block_attention(**args, block_size=block, causal_block=True))
+            else:
+                parents = make_tree(bs, block, 100, torch.Generator().manual_seed(tree_seed), unused=0.1)[1]
+                outs.append(ops.block_attention(**args, block_size=block, tree_parents=parents))
+        torch.save((ops.float_dot_isa(), outs), PATH)
+        print("ok")
+    """
+    narrow_path, wide_path = str(tmp_path / "avx2.pt"), str(tmp_path / "avx512.pt")
+    assert run_fresh_python(code.replace("PATH", repr(narrow_path)), SGLANG_DFLASH_NO_AVX512="1") == "ok"
+    assert run_fresh_python(code.replace("PATH", repr(wide_path))) == "ok"
+    narrow_isa, narrow = torch.load(narrow_path)
+    wide_isa, wide = torch.load(wide_path)
+    assert wide_isa == "avx512" and len(wide) == len(narrow) == 8
+    for i, (a, b) in enumerate(zip(narrow, wide, strict=True)):
+        assert torch.equal(a, b), f"case {i}"

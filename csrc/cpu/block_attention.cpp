@@ -8,7 +8,9 @@
 // decoding its path computes. Buffers are allocated once per thread chunk. A task's scores run with
 // vectors across its query rows, or across keys where it has few rows (Problem::by_keys: a decode
 // fills 3 of 8 lanes across rows); each score, probability and output element is the same FMA
-// chain in the same order either way, so a decode row and its verify row stay bitwise equal.
+// chain in the same order either way, so a decode row and its verify row stay bitwise equal. The
+// two GEMMs of a tile (Q K^T, P V) run on 16-lane AVX-512 where the CPU has it (avx512_wanted), the
+// same chains again: both paths give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -22,6 +24,7 @@
 
 #include "cpu_kernels.h"
 #include "to_float.h"
+#include "x86_paths.h"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
 #include "sglang_dflash/online_softmax.h"
@@ -34,9 +37,9 @@ constexpr int64_t kTile = 64;  // context tokens per tile: K, V tiles and scores
 
 // Rows i..i+R-1 and vectors of columns j..j+V*W-1 of C += A * Bm (see gemm_accumulate): R x V
 // accumulators in registers, each loaded Bm vector feeding R FMAs.
-template <int R, int V, typename AAt>
-void accumulate_tile(int64_t i, int64_t j, int64_t K, AAt a_at, const float* Bm, int64_t ldb, float* C,
-                     int64_t ldc) {
+template <int R, int V, bool kTransA>
+void accumulate_tile(int64_t i, int64_t j, int64_t K, const float* A, int64_t lda, const float* Bm, int64_t ldb,
+                     float* C, int64_t ldc) {
   constexpr int64_t W = Vec::size();
   Vec c[R][V];
   for (int r = 0; r < R; ++r)
@@ -45,7 +48,7 @@ void accumulate_tile(int64_t i, int64_t j, int64_t K, AAt a_at, const float* Bm,
     Vec b[V];
     for (int v = 0; v < V; ++v) b[v] = Vec::loadu(Bm + k * ldb + j + v * W);
     for (int r = 0; r < R; ++r) {
-      const Vec a(a_at(i + r, k));
+      const Vec a(kTransA ? A[k * lda + i + r] : A[(i + r) * lda + k]);
       for (int v = 0; v < V; ++v) c[r][v] = at::vec::fmadd(a, b[v], c[r][v]);
     }
   }
@@ -53,37 +56,81 @@ void accumulate_tile(int64_t i, int64_t j, int64_t K, AAt a_at, const float* Bm,
     for (int v = 0; v < V; ++v) c[r][v].store(C + (i + r) * ldc + j + v * W);
 }
 
+#if SGLD_HAS_X86
+// accumulate_tile on 16-lane AVX-512 vectors: every element is the same FMA chain in the same
+// order, so both paths give the same bits; the AVX-512 one does twice the FMAs an instruction.
+template <int R, int V, bool kTransA>
+SGLD_AVX512 void accumulate_tile_avx512(int64_t i, int64_t j, int64_t K, const float* A, int64_t lda,
+                                        const float* Bm, int64_t ldb, float* C, int64_t ldc) {
+  constexpr int64_t W = 16;
+  __m512 c[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) c[r][v] = _mm512_loadu_ps(C + (i + r) * ldc + j + v * W);
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b[V];
+    for (int v = 0; v < V; ++v) b[v] = _mm512_loadu_ps(Bm + k * ldb + j + v * W);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(kTransA ? A[k * lda + i + r] : A[(i + r) * lda + k]);
+      for (int v = 0; v < V; ++v) c[r][v] = _mm512_fmadd_ps(a, b[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(C + (i + r) * ldc + j + v * W, c[r][v]);
+}
+#endif
+
+// Covers columns j.. of C[M x N] with register tiles of W-float vectors, calling tile(R, V, i, j)
+// (R rows from i, V vectors of columns from j; R and V as integral constants): columns in blocks
+// of 4, 2, then 1 vector, their rows in tiles of R4, R2, R1 (then of 3, 2 and 1). Returns the
+// first column left (fewer than W).
+template <int64_t W, int R4, int R2, int R1, typename Tile>
+int64_t register_tiles(int64_t M, int64_t N, int64_t j, Tile tile) {
+  using std::integral_constant;
+  auto columns = [&](auto vectors, auto tile_rows, int64_t j) {
+    constexpr int R = decltype(tile_rows)::value;
+    int64_t i = 0;
+    for (; i + R <= M; i += R) tile(tile_rows, vectors, i, j);
+    if constexpr (R > 3) {  // a decode's 3 query rows keep 3 chains a vector
+      for (; i + 3 <= M; i += 3) tile(integral_constant<int, 3>{}, vectors, i, j);
+    }
+    if constexpr (R > 2) {
+      for (; i + 2 <= M; i += 2) tile(integral_constant<int, 2>{}, vectors, i, j);
+    }
+    for (; i < M; ++i) tile(integral_constant<int, 1>{}, vectors, i, j);
+  };
+  for (; j + 4 * W <= N; j += 4 * W) columns(integral_constant<int, 4>{}, integral_constant<int, R4>{}, j);
+  for (; j + 2 * W <= N; j += 2 * W) columns(integral_constant<int, 2>{}, integral_constant<int, R2>{}, j);
+  for (; j + W <= N; j += W) columns(integral_constant<int, 1>{}, integral_constant<int, R1>{}, j);
+  return j;
+}
+
 // C[M x N] += A[M x K] * Bm[K x N], fp32, Bm and C row-major; A row-major, or column-major
-// (element (i, k) at A[k * lda + i]) when kTransA. Register tiles of 8-12 accumulators, each loaded
-// Bm vector feeding R FMAs: fewer than 8 independent chains leave the FMAs waiting on their own
-// latency (a decode's 3 query rows in 1-row tiles ran at ~1/4 of the FMA rate). Every element of
-// C is one FMA chain over k in order, whatever its tile: the tiling never changes a bit.
+// (element (i, k) at A[k * lda + i]) when kTransA. Register tiles of 8-12 accumulators (24 on
+// AVX-512's 32 registers), each loaded Bm vector feeding R FMAs: fewer than 8 independent chains
+// leave the FMAs waiting on their own latency (a decode's 3 query rows in 1-row tiles ran at ~1/4
+// of the FMA rate). Every element of C is one FMA chain over k in order, whatever its tile and
+// vector width: neither the tiling nor the path changes a bit.
 template <bool kTransA>
 void gemm_accumulate(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* Bm,
                      int64_t ldb, float* C, int64_t ldc) {
-  auto a_at = [&](int64_t i, int64_t k) { return kTransA ? A[k * lda + i] : A[i * lda + k]; };
-  constexpr int64_t W = Vec::size();
-  // Rows in tiles of R (then of 2 and 1) against V vectors of columns from j.
-  auto columns = [&](auto vectors, auto tile_rows, int64_t j) {
-    constexpr int V = decltype(vectors)::value, R = decltype(tile_rows)::value;
-    int64_t i = 0;
-    for (; i + R <= M; i += R) accumulate_tile<R, V>(i, j, K, a_at, Bm, ldb, C, ldc);
-    if constexpr (R > 2) {
-      for (; i + 2 <= M; i += 2) accumulate_tile<2, V>(i, j, K, a_at, Bm, ldb, C, ldc);
-    }
-    for (; i < M; ++i) accumulate_tile<1, V>(i, j, K, a_at, Bm, ldb, C, ldc);
-  };
-  using std::integral_constant;
   int64_t j = 0;
-  for (; j + 4 * W <= N; j += 4 * W) columns(integral_constant<int, 4>{}, integral_constant<int, 3>{}, j);
-  for (; j + 2 * W <= N; j += 2 * W) columns(integral_constant<int, 2>{}, integral_constant<int, 4>{}, j);
-  for (; j + W <= N; j += W) columns(integral_constant<int, 1>{}, integral_constant<int, 8>{}, j);
+#if SGLD_HAS_X86
+  if (avx512_wanted()) {
+    j = register_tiles<16, 6, 8, 12>(M, N, j, [&](auto R, auto V, int64_t i, int64_t j0) {
+      accumulate_tile_avx512<decltype(R)::value, decltype(V)::value, kTransA>(i, j0, K, A, lda, Bm, ldb, C, ldc);
+    });
+  }
+#endif
+  // On AVX-512, the 8 columns left (query rows come padded to a multiple of 8) take AVX2 tiles.
+  j = register_tiles<Vec::size(), 3, 4, 8>(M, N, j, [&](auto R, auto V, int64_t i, int64_t j0) {
+    accumulate_tile<decltype(R)::value, decltype(V)::value, kTransA>(i, j0, K, A, lda, Bm, ldb, C, ldc);
+  });
   for (; j < N; ++j) {  // column tail (N not a multiple of the vector width)
     for (int64_t i = 0; i < M; ++i) {
       // std::fma, as the vector lanes: `acc += a * b` may or may not be contracted into an FMA,
       // differently in each instantiation, and a decode row and its verify row take different ones.
       float acc = C[i * ldc + j];
-      for (int64_t k = 0; k < K; ++k) acc = std::fma(a_at(i, k), Bm[k * ldb + j], acc);
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(kTransA ? A[k * lda + i] : A[i * lda + k], Bm[k * ldb + j], acc);
       C[i * ldc + j] = acc;
     }
   }
@@ -157,8 +204,8 @@ void softmax_tile(Scratch& s, const Problem& p, int64_t n, bool masked, Visible 
   float* tile_sum = s.tile_sum.data();
   if (masked) {
     for (int64_t c = 0; c < n; ++c)
-      for (int64_t r = 0; r < p.rows(); ++r)
-        if (!visible(r / p.group, c)) score[c * rows + r] = -INFINITY;
+      for (int64_t i = 0; i < p.block_size; ++i)
+        if (!visible(i, c)) std::fill_n(score + c * rows + i * p.group, p.group, -INFINITY);
   }
   std::copy(s.max.begin(), s.max.end(), new_max);
   std::fill(tile_sum, tile_sum + rows, 0.0f);
@@ -260,8 +307,9 @@ void attend_tile_by_keys(Scratch& s, const Problem& p, int64_t n, bool masked, V
   for (int64_t r = 0; r < rows; ++r) {
     float* score = scores + r * ld;
     if (masked) {
+      const int64_t i = r / p.group;
       for (int64_t c = 0; c < n; ++c)
-        if (!visible(r / p.group, c)) score[c] = -INFINITY;
+        if (!visible(i, c)) score[c] = -INFINITY;
     }
     std::fill(score + n, score + n_vec, -INFINITY);
     Vec top(-INFINITY);

@@ -34,13 +34,10 @@
 
 #include <string>
 #include <vector>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define SGLD_HAS_X86 1
-#endif
 
 #include "cpu_kernels.h"
 #include "to_float.h"
+#include "x86_paths.h"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
 
@@ -211,8 +208,6 @@ void stream_weight(const float* xp, int64_t M, int64_t N, int64_t K, const W* w,
 }
 
 #if SGLD_HAS_X86
-#define SGLD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
-
 // The AVX-512 path: 16 lanes, and with 32 registers 4 weight rows x 6 x rows of accumulators
 // (24) + 4 weight vectors + an x vector. Each x vector now feeds 4 weight rows and each weight
 // vector 6 x rows: 10 loads per 24 FMAs, where the AVX2 tile makes 7 per 12.
@@ -321,21 +316,6 @@ void stream_weight(const float* xp, int64_t M, int64_t N, int64_t K, const W* w,
 }  // namespace wide
 #endif  // SGLD_HAS_X86
 
-bool avx512_wanted() {
-#if SGLD_HAS_X86 && defined(CPU_CAPABILITY_AVX2)
-  // SGLANG_DFLASH_NO_AVX512=1 keeps the AVX2 path (tests run both); read once, so that every
-  // call of a process sums in the same order.
-  static const bool wanted = [] {
-    __builtin_cpu_init();
-    return !turned_off_by("SGLANG_DFLASH_NO_AVX512") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512dq");
-  }();
-  return wanted;
-#else
-  return false;
-#endif
-}
 
 // All weight rows against all rows of x, on the widest path this CPU has.
 template <typename W, typename O>
@@ -348,6 +328,20 @@ void stream_weight_dispatch(const float* xp, int64_t M, int64_t N, int64_t K, co
 }
 
 }  // namespace
+
+bool avx512_wanted() {
+#if SGLD_HAS_X86 && defined(CPU_CAPABILITY_AVX2)
+  static const bool wanted = [] {
+    __builtin_cpu_init();
+    return !turned_off_by("SGLANG_DFLASH_NO_AVX512") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
+  }();
+  return wanted;
+#else
+  return false;
+#endif
+}
 
 std::string float_dot_isa() {
 #if defined(CPU_CAPABILITY_AVX2)

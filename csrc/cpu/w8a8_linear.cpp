@@ -18,10 +18,6 @@
 // drafter's tau at fixed B moved by at most +-0.035 over the 27 fixed cells of `make e2e`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define SGLD_HAS_X86 1
-#endif
 
 #include <cmath>
 #include <cstdlib>
@@ -30,6 +26,7 @@
 
 #include "cpu_kernels.h"
 #include "to_float.h"
+#include "x86_paths.h"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
 
