@@ -87,3 +87,9 @@ def run_fresh_python(code: str, **env: str) -> str:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip()
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (the kernels' instruction paths follow them)."""
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())

@@ -21,7 +21,7 @@ from sglang_dflash.models.skinny import (
 )
 from sglang_dflash.ops import reference
 from sglang_dflash.ops.testing import int8_linear_is_right, skinny_linear_error_ratio
-from tests.dflash_testlib import run_fresh_python
+from tests.dflash_testlib import cpu_flags, run_fresh_python
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -88,16 +88,11 @@ def test_each_row_is_bitwise_independent_of_the_others():
         assert torch.equal(ops.skinny_linear(x[5:9], w, b), full[5:9])
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-
-
 def test_the_widest_fma_path_this_cpu_has_is_taken():
     isa = ops.float_dot_isa()
     assert isa in ("avx512", "avx2", "portable")
     if platform.machine() == "x86_64":
-        wide = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
+        wide = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
         assert isa == ("avx512" if wide else "avx2")
 
 
@@ -132,7 +127,7 @@ def test_bf16_runs_on_amx_tiles_where_the_cpu_has_them():
     """bf16 x with a bf16 weight takes AMX (skinny_linear_amx.cpp) on a CPU with AMX-BF16 (Linux
     grants the tile state from 5.16 on), else the fp32 FMA path."""
     isa = ops.bf16_dot_isa()
-    amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl"} <= _cpu_flags()
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
     assert isa == ("amx_bf16" if amx and platform.machine() == "x86_64" else ops.float_dot_isa())
 
 

@@ -1,8 +1,11 @@
 """w8a8_linear (int8 weight, activations quantized per row) against its reference bit for bit, on
-the VNNI path where the CPU has it and on the portable path (a subprocess with SGLANG_DFLASH_NO_VNNI),
-its rounding, special rows, batch invariance, layouts and argument errors."""
+the AMX path where the CPU has AMX-INT8, the VNNI path (where AMX is absent or SGLANG_DFLASH_NO_AMX
+is set, in a subprocess) and the portable path (a subprocess with SGLANG_DFLASH_NO_VNNI), its
+rounding, special rows, batch invariance, layouts and argument errors."""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
@@ -10,11 +13,13 @@ import torch
 from sglang_dflash import ops
 from sglang_dflash.models.skinny import quantize_rows
 from sglang_dflash.ops import reference
-from tests.dflash_testlib import run_fresh_python
+from tests.dflash_testlib import cpu_flags, run_fresh_python
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 1, 1), (1, 64, 576), (3, 33, 8), (4, 96, 100), (5, 7, 1536), (6, 65, 200), (7, 31, 576),
-          (8, 257, 576), (9, 12, 33), (11, 40, 2880), (2, 5, 63), (20, 130, 64), (4, 16384, 576)]
+          (8, 257, 576), (9, 12, 33), (11, 40, 2880), (2, 5, 63), (20, 130, 64), (4, 16384, 576),
+          # AMX tile edges (16 weight rows x 16 x rows x 64 bytes of K a tile)
+          (16, 17, 64), (17, 48, 128), (33, 16, 640), (1, 15, 1536)]
 
 
 def _inputs(rows, n, k, dtype, seed, bias=True, scale=3.0):
@@ -136,3 +141,37 @@ def test_portable_path_matches_the_reference_too():
         print("ok")
     """
     assert run_fresh_python(code, SGLANG_DFLASH_NO_VNNI="1").endswith("ok")
+
+
+def test_int8_runs_on_amx_tiles_where_the_cpu_has_them():
+    """On a CPU with AMX-INT8 (and Linux's grant of the tile state) w8a8_linear multiplies in AMX
+    tiles where K is a multiple of 64, else with AVX512-VNNI, else portably."""
+    flags = cpu_flags()
+    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags and platform.machine() == "x86_64"
+    amx = vnni and {"amx_tile", "amx_int8"} <= flags
+    assert ops.int8_dot_isa() == ("amx_int8" if amx else "avx512_vnni" if vnni else "portable")
+
+
+def test_vnni_path_matches_the_reference_too():
+    """VNNI where the CPU has AMX too (forced by SGLANG_DFLASH_NO_AMX=1 in a fresh process): each
+    row alone and the batch give the reference's bits, at the shapes the AMX path takes."""
+    if ops.int8_dot_isa() != "amx_int8":
+        pytest.skip("no AMX path here: the tests above already run VNNI or the portable loops")
+    code = """
+        import torch
+        from sglang_dflash import ops
+        from sglang_dflash.models.skinny import quantize_rows
+        from sglang_dflash.ops import reference
+        assert ops.int8_dot_isa() == "avx512_vnni", ops.int8_dot_isa()
+        g = torch.Generator().manual_seed(0)
+        for rows, n, k in [(1, 64, 576), (5, 33, 1536), (17, 48, 128), (8, 257, 576)]:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+                w, s = quantize_rows(torch.randn(n, k, generator=g))
+                b = torch.randn(n, generator=g).to(dtype)
+                full = ops.w8a8_linear(x, w, s, b)
+                assert torch.equal(full, reference.w8a8_linear(x, w, s, b)), (rows, n, k)
+                assert all(torch.equal(ops.w8a8_linear(x[m:m + 1], w, s, b), full[m:m + 1]) for m in range(rows))
+        print("ok")
+    """
+    assert run_fresh_python(code, SGLANG_DFLASH_NO_AMX="1").endswith("ok")

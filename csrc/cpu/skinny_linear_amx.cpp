@@ -24,15 +24,8 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "cpu_kernels.h"
-
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define SGLD_HAS_AMX 1
-#endif
 
 namespace sglang_dflash::cpu {
 
@@ -45,15 +38,6 @@ constexpr int64_t kStep = 32;  // bf16 values of k a tile row holds (64 bytes)
 constexpr int64_t kTileValues = kTile * kStep;
 constexpr int64_t kPrefetchTilesAhead = 4;  // weight row tiles, into L2 while these are multiplied
 
-// LDTILECFG's 64-byte operand, palette 1: every tile used is 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tile registers (literals: the intrinsics paste them into the instruction): accumulators of two
 // weight row tiles (two independent TDPBF16PS chains, which hide the instruction's latency), their
 // A operands, and the x tile.
@@ -63,49 +47,6 @@ struct alignas(64) TileConfig {
 #define SGLD_TILE_WEIGHT1 3
 #define SGLD_TILE_X 4
 constexpr int kTilesUsed = 5;
-
-TileConfig tile_config() {
-  TileConfig config;
-  for (int t = 0; t < kTilesUsed; ++t) {
-    config.bytes_per_row[t] = kStep * sizeof(c10::BFloat16);
-    config.rows[t] = kTile;
-  }
-  return config;
-}
-
-// AMX-TILE and AMX-BF16, and the AVX-512 parts of the epilogue (every CPU with AMX has them).
-bool cpu_has_amx_bf16() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  __builtin_cpu_init();
-  return (edx & (1u << 24)) && (edx & (1u << 22)) && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bf16");
-}
-
-// Linux hands out the 8 KiB of tile state per process on request only (arch_prctl
-// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); it refuses where the kernel or the VM lacks it.
-bool tile_data_granted() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-// x [M, K] as B tiles: for x rows [16 mb, 16 mb + 16) and k [32 kb, 32 kb + 32), tile (mb, kb) is
-// 16 rows of k pairs, each holding (x[m, k], x[m, k + 1]) for the 16 rows m (rows past M are 0):
-// x's pairs as 32-bit words, transposed.
-void pack_x(const c10::BFloat16* x, int64_t M, int64_t K, std::vector<uint32_t>& packed) {
-  constexpr int64_t kPairs = kStep / 2;
-  const int64_t row_tiles = (M + kTile - 1) / kTile, k_tiles = K / kStep;
-  packed.assign(row_tiles * k_tiles * kTile * kPairs, 0);
-  for (int64_t m = 0; m < M; ++m) {
-    uint32_t* column = packed.data() + (m / kTile) * k_tiles * kTile * kPairs + m % kTile;
-    for (int64_t kb = 0; kb < k_tiles; ++kb) {
-      uint32_t pairs[kPairs];
-      std::memcpy(pairs, x + m * K + kb * kStep, sizeof(pairs));
-      for (int64_t p = 0; p < kPairs; ++p) column[(kb * kPairs + p) * kTile] = pairs[p];
-    }
-  }
-}
 
 // A weight row tile as A operand rows: the weight itself, or for the last tile of an N that is
 // not a multiple of 16, its rows copied into `padded` (zeros below them: no read past the weight).
@@ -183,7 +124,7 @@ SGLD_AMX_BF16 void multiply_tiles(const WeightTile& a, const WeightTile& b, cons
 SGLD_AMX_BF16 void row_tiles(const c10::BFloat16* x, const uint32_t* x_tiles, int64_t M, int64_t N, int64_t K,
                              const c10::BFloat16* w, int64_t ldw, const c10::BFloat16* bias, c10::BFloat16* out,
                              int64_t begin, int64_t end) {
-  static const TileConfig config = tile_config();
+  static const TileConfig config = full_tiles(kTilesUsed);
   _tile_loadconfig(&config);  // tile configuration is per thread
   thread_local std::vector<c10::BFloat16> padded;
   const int64_t k_tiles = K / kStep, x_row_tiles = (M + kTile - 1) / kTile;
@@ -213,9 +154,54 @@ SGLD_AMX_BF16 void row_tiles(const c10::BFloat16* x, const uint32_t* x_tiles, in
 }  // namespace
 #endif  // SGLD_HAS_AMX
 
+void pack_b_tiles(const uint8_t* x, int64_t stride, int64_t M, int64_t bytes, uint32_t flip,
+                  std::vector<uint32_t>& packed) {
+  constexpr int64_t kWords = kAmxRowBytes / 4;
+  const int64_t row_tiles = (M + kAmxRows - 1) / kAmxRows, k_tiles = bytes / kAmxRowBytes;
+  packed.assign(row_tiles * k_tiles * kAmxRows * kWords, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    uint32_t* column = packed.data() + (m / kAmxRows) * k_tiles * kAmxRows * kWords + m % kAmxRows;
+    for (int64_t kb = 0; kb < k_tiles; ++kb) {
+      uint32_t words[kWords];
+      std::memcpy(words, x + m * stride + kb * kAmxRowBytes, sizeof(words));
+      for (int64_t p = 0; p < kWords; ++p) column[(kb * kWords + p) * kAmxRows] = words[p] ^ flip;
+    }
+  }
+}
+
+TileConfig full_tiles(int tiles) {
+  TileConfig config;
+  for (int t = 0; t < tiles; ++t) {
+    config.bytes_per_row[t] = kAmxRowBytes;
+    config.rows[t] = kAmxRows;
+  }
+  return config;
+}
+
+bool amx_usable(unsigned edx_bit) {
+#if SGLD_HAS_AMX
+  static const bool tiles = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (turned_off_by("SGLANG_DFLASH_NO_AMX") || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    __builtin_cpu_init();
+    // Linux hands out the 8 KiB of tile state per process on request only (arch_prctl
+    // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return (edx & (1u << 24)) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return tiles && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx & (1u << edx_bit));
+#else
+  (void)edx_bit;
+  return false;
+#endif
+}
+
 bool amx_bf16_wanted() {
 #if SGLD_HAS_AMX
-  static const bool wanted = !turned_off_by("SGLANG_DFLASH_NO_AMX") && cpu_has_amx_bf16() && tile_data_granted();
+  constexpr unsigned kAmxBf16 = 22;
+  static const bool wanted = amx_usable(kAmxBf16) && __builtin_cpu_supports("avx512bf16");
   return wanted;
 #else
   return false;
@@ -226,7 +212,9 @@ void amx_bf16_linear(const c10::BFloat16* x, int64_t M, int64_t N, int64_t K, co
                      const c10::BFloat16* bias, c10::BFloat16* out) {
 #if SGLD_HAS_AMX
   thread_local std::vector<uint32_t> x_tiles;
-  pack_x(x, M, K, x_tiles);
+  // x's bf16 pairs as 32-bit words: tile (mb, kb) holds k [32 kb, 32 kb + 32) of x rows 16 mb..
+  pack_b_tiles(reinterpret_cast<const uint8_t*>(x), K * sizeof(c10::BFloat16), M,
+               K / kStep * kStep * sizeof(c10::BFloat16), 0, x_tiles);
   const uint32_t* xt = x_tiles.data();  // the calling thread's, read by every worker
   const int64_t tiles = (N + kTile - 1) / kTile;
   // Tasks of pairs of weight tiles (row_tiles' passes), ~64 KiB of weight a task.

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "cpu_kernels.h"
 #include "to_float.h"
 #include "x86_paths.h"
@@ -56,6 +57,8 @@ struct QuantizedX {
 
 template <typename T>
 void quantize_x(const T* x, int64_t M, int64_t K, QuantizedX& qx) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vec::size();
   qx.stride = (K + kLine - 1) / kLine * kLine;
   qx.u.assign(M * qx.stride, 0);
   qx.scale.resize(M);
@@ -63,29 +66,40 @@ void quantize_x(const T* x, int64_t M, int64_t K, QuantizedX& qx) {
   row.resize(K);
   for (int64_t m = 0; m < M; ++m) {
     to_float(x + m * K, row.data(), K);
-    float amax = 0.f;
-    bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      finite = finite && std::isfinite(row[k]);
-      amax = std::max(amax, std::fabs(row[k]));
-    }
+    // max |x|, NaN if any value is NaN (the vector maximum propagates it), inf if any is inf.
+    Vec top(0.f);
+    int64_t k = 0;
+    for (; k + W <= K; k += W) top = at::vec::maximum(top, Vec::loadu(row.data() + k).abs());
+    float amax = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, top);
+    for (; k < K; ++k) amax = std::isnan(row[k]) || std::fabs(row[k]) > amax ? std::fabs(row[k]) : amax;
     uint8_t* u = qx.u.data() + m * qx.stride;
-    if (!finite) {
+    if (!std::isfinite(amax)) {
       std::memset(u, 128, K);
       qx.scale[m] = NAN;
       continue;
     }
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      // nearbyint rounds half to even (the default rounding mode), as torch.round does.
-      const float q = std::min(std::max(std::nearbyint(row[k] * inv), -127.f), 127.f);
-      u[k] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+    // q + 128 in fp32, then as bytes. Vec::round rounds half to even, as nearbyint in the default
+    // rounding mode and torch.round do.
+    k = 0;
+    for (; k + W <= K; k += W) {
+      const Vec q = at::vec::clamp((Vec::loadu(row.data() + k) * Vec(inv)).round(), Vec(-127.f), Vec(127.f));
+      (q + Vec(128.f)).store(row.data() + k);
     }
+    for (; k < K; ++k) row[k] = std::min(std::max(std::nearbyint(row[k] * inv), -127.f), 127.f) + 128.f;
+    for (k = 0; k < K; ++k) u[k] = static_cast<uint8_t>(static_cast<int32_t>(row[k]));
     qx.scale[m] = amax / 127.f;
   }
 }
 
-// The finished sums of a tile: x_scale * w_scale (+ bias) in fp32, in this order, as the reference.
+// A finished sum times x_scale and w_scale (+ bias) in fp32, in this order, as the reference.
+template <typename O>
+inline O dequantized(int32_t sum, float x_scale, float w_scale, bool has_bias, float bias) {
+  const float v = static_cast<float>(sum) * x_scale * w_scale;
+  return static_cast<O>(has_bias ? v + bias : v);
+}
+
+// The finished sums of a tile (dequantized).
 template <typename O>
 inline void store_tile(const int32_t (&sums)[kRows][kCols], int64_t m0, int64_t rows, const int64_t (&n)[kCols],
                        const float* x_scale, const float* w_scale, const O* bias, int64_t N, O* out) {
@@ -97,10 +111,7 @@ inline void store_tile(const int32_t (&sums)[kRows][kCols], int64_t m0, int64_t 
   for (int64_t r = 0; r < rows; ++r) {
     const float xs = x_scale[m0 + r];
     O* o = out + (m0 + r) * N;
-    for (int c = 0; c < kCols; ++c) {
-      const float v = static_cast<float>(sums[r][c]) * xs * ws[c];
-      o[n[c]] = static_cast<O>(bias != nullptr ? v + b[c] : v);
-    }
+    for (int c = 0; c < kCols; ++c) o[n[c]] = dequantized<O>(sums[r][c], xs, ws[c], bias != nullptr, b[c]);
   }
 }
 
@@ -231,9 +242,100 @@ bool vnni_wanted() {
 #endif
 }
 
+
+#if SGLD_HAS_AMX
+// The AMX path (CPUs with AMX-INT8): one TDPBSSD multiplies a 16 x 64 tile of weight rows (signed
+// bytes, the A operand, as they lie) by a 64 x 16 tile of x rows (q as signed bytes, re-laid once
+// a call: pack_b_tiles), 16384 products into 16 x 16 int32 sums, where vpdpbusd does 32. The sums
+// are the same exact integers, so this path, VNNI's and the reference agree bit for bit, and a
+// step of up to 16 rows costs about what one row costs. K must be a multiple of 64 (the drafters'
+// 576 and 1536 are); other K take VNNI.
+#define SGLD_AMX_INT8 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
+// Tile registers (literals: the intrinsics paste them): two weight row tiles' sums (two independent
+// TDPBSSD chains hide its latency), their A operands, the x tile.
+#define SGLD_I8_SUM0 0
+#define SGLD_I8_SUM1 1
+#define SGLD_I8_WEIGHT0 2
+#define SGLD_I8_WEIGHT1 3
+#define SGLD_I8_X 4
+constexpr int kInt8TilesUsed = 5;
+constexpr int64_t kXTileWords = kAmxRows * kAmxRowBytes / 4;
+
+bool amx_int8_wanted() {
+  constexpr unsigned kAmxInt8 = 25;
+  static const bool wanted = vnni_wanted() && amx_usable(kAmxInt8);  // VNNI takes the other K
+  return wanted;
+}
+
+// Weight rows [16 t, 16 t + 16) as an A operand: the weight itself, or for a last tile of fewer
+// rows, a copy in `padded` with zero rows below (no read past the weight). Returns the row stride.
+const int8_t* weight_rows(const int8_t* w, int64_t ldw, int64_t N, int64_t K, int64_t t, std::vector<int8_t>& padded,
+                          int64_t& stride) {
+  const int64_t n0 = t * kAmxRows, count = std::min(kAmxRows, N - n0);
+  stride = ldw;
+  if (count == kAmxRows) return w + n0 * ldw;
+  padded.assign(kAmxRows * K, 0);
+  for (int64_t r = 0; r < count; ++r) std::memcpy(padded.data() + r * K, w + (n0 + r) * ldw, K);
+  stride = K;
+  return padded.data();
+}
+
+// Weight row tiles [begin, end), two at a time, against every x row tile; sums[n][m] dequantized
+// into out[m, n].
+template <typename O>
+SGLD_AMX_INT8 void row_tiles_int8(const uint32_t* x_tiles, const float* x_scale, int64_t M, int64_t N, int64_t K,
+                                  const int8_t* w, int64_t ldw, const float* w_scale, const O* bias, O* out,
+                                  int64_t begin, int64_t end) {
+  static const TileConfig config = full_tiles(kInt8TilesUsed);
+  _tile_loadconfig(&config);  // tile configuration is per thread
+  thread_local std::vector<int8_t> padded;
+  const int64_t k_tiles = K / kAmxRowBytes, x_row_tiles = (M + kAmxRows - 1) / kAmxRows;
+  int32_t sums[2][kAmxRows][kAmxRows];
+  for (int64_t t = begin; t < end; t += 2) {
+    const bool pair = t + 1 < end;
+    int64_t stride_a = 0, stride_b = 0;
+    const int8_t* a = weight_rows(w, ldw, N, K, t, padded, stride_a);
+    // Only the last tile of the weight can be partial, so `padded` serves one tile at a time.
+    const int8_t* b = pair ? weight_rows(w, ldw, N, K, t + 1, padded, stride_b) : a;
+    for (int64_t mb = 0; mb < x_row_tiles; ++mb) {
+      const uint32_t* xt = x_tiles + mb * k_tiles * kXTileWords;
+      _tile_zero(SGLD_I8_SUM0);
+      _tile_zero(SGLD_I8_SUM1);
+      for (int64_t kb = 0; kb < k_tiles; ++kb) {
+        _tile_loadd(SGLD_I8_X, xt + kb * kXTileWords, kAmxRowBytes);
+        _tile_loadd(SGLD_I8_WEIGHT0, a + kb * kAmxRowBytes, stride_a);
+        _tile_dpbssd(SGLD_I8_SUM0, SGLD_I8_WEIGHT0, SGLD_I8_X);
+        if (pair) {
+          _tile_loadd(SGLD_I8_WEIGHT1, b + kb * kAmxRowBytes, stride_b);
+          _tile_dpbssd(SGLD_I8_SUM1, SGLD_I8_WEIGHT1, SGLD_I8_X);
+        }
+      }
+      _tile_stored(SGLD_I8_SUM0, sums[0], kAmxRows * sizeof(int32_t));
+      if (pair) _tile_stored(SGLD_I8_SUM1, sums[1], kAmxRows * sizeof(int32_t));
+      const int64_t m0 = mb * kAmxRows, rows = std::min(kAmxRows, M - m0);
+      for (int64_t p = 0; p < (pair ? 2 : 1); ++p) {
+        const int64_t n0 = (t + p) * kAmxRows, count = std::min(kAmxRows, N - n0);
+        for (int64_t m = 0; m < rows; ++m) {
+          O* o = out + (m0 + m) * N + n0;
+          for (int64_t n = 0; n < count; ++n) {
+            o[n] = dequantized<O>(sums[p][n][m], x_scale[m0 + m], w_scale[n0 + n], bias != nullptr,
+                                  bias != nullptr ? static_cast<float>(bias[n0 + n]) : 0.f);
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif  // SGLD_HAS_AMX
 }  // namespace
 
-std::string int8_dot_isa() { return vnni_wanted() ? "avx512_vnni" : "portable"; }
+std::string int8_dot_isa() {
+#if SGLD_HAS_AMX
+  if (amx_int8_wanted()) return "amx_int8";
+#endif
+  return vnni_wanted() ? "avx512_vnni" : "portable";
+}
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const std::optional<at::Tensor>& bias) {
@@ -256,6 +358,21 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     const scalar_t* bp = b.defined() ? b.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     const QuantizedX& q = qx;  // the calling thread's, read by every worker
+#if SGLD_HAS_AMX
+    if (amx_int8_wanted() && K % kAmxRowBytes == 0) {
+      thread_local std::vector<uint32_t> x_tiles;
+      // q = u - 128 as a signed byte is u with its top bit flipped.
+      pack_b_tiles(q.u.data(), q.stride, M, K, 0x80808080u, x_tiles);
+      const uint32_t* xt = x_tiles.data();
+      const int64_t amx_tiles = (N + kAmxRows - 1) / kAmxRows;
+      // Tasks of pairs of weight tiles (row_tiles_int8's passes), ~64 KiB of weight a task.
+      at::parallel_for(0, (amx_tiles + 1) / 2, std::max<int64_t>(1, 65536 / (2 * kAmxRows * K)),
+                       [&](int64_t begin, int64_t end) {
+        row_tiles_int8(xt, q.scale.data(), M, N, K, w, ldw, ws, bp, o, 2 * begin, std::min(2 * end, amx_tiles));
+      });
+      return;
+    }
+#endif
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
 #if SGLD_HAS_X86
       if (vnni) {

@@ -68,15 +68,15 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @functools.cache
 def _vnni() -> bool:
-    return int8_dot_isa() == "avx512_vnni"
+    return int8_dot_isa() in ("avx512_vnni", "amx_int8")  # AMX-INT8 CPUs have VNNI too
 
 
 def w8a8_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  weight_scale: torch.Tensor | None = None) -> bool:
     """Whether an int8 weight takes `w8a8_linear` (activations quantized per row too): where
-    skinny_linear would take it and the CPU has AVX512-VNNI, on which it runs 1.6-2.3x faster at
-    the drafter's shapes (bench/bench_ops.py). Without VNNI its portable loops would be slower
-    than skinny_linear's fp32 path, which the weight keeps there."""
+    skinny_linear would take it and the CPU has AVX512-VNNI (or AMX-INT8), on which it runs
+    1.6-2.3x faster at the drafter's shapes (bench/bench_ops.py). Without VNNI its portable loops
+    would be slower than skinny_linear's fp32 path, which the weight keeps there."""
     return (weight_scale is not None and skinny_applies(x, weight, bias, weight_scale)
             and x.shape[-1] <= W8A8_MAX_K and _vnni() and runs_ours("w8a8_linear", "cpu"))
 

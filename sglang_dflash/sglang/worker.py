@@ -221,8 +221,8 @@ class DFlashKernelWorker(DFlashWorkerV2):
             else:
                 self._draft_int8 = True
                 self._draft_head = None  # cut again, in int8
-                activations = ("int8 too (w8a8_linear, AVX512-VNNI)" if "w8a8_linear" in ours
-                               and ops.int8_dot_isa() == "avx512_vnni" else "in the model's dtype")
+                activations = (f"int8 too (w8a8_linear, {ops.int8_dot_isa()})" if "w8a8_linear" in ours
+                               and ops.int8_dot_isa() != "portable" else "in the model's dtype")
                 logger.info("sglang-dflash: %d draft linear layers and the draft LM head run int8 weights, "
                             "activations %s (%s=0: the model's dtype)", converted, activations,
                             draft_int8.ENV_DRAFT_INT8)

@@ -1,0 +1,47 @@
+// AMX tile plumbing shared by the CPU kernels' AMX paths (skinny_linear_amx.cpp: bf16;
+// w8a8_linear.cpp: int8). Both use tiles of 16 rows x 64 bytes only, and both take their path
+// once per process.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SGLD_HAS_AMX 1
+#endif
+
+namespace sglang_dflash::cpu {
+
+constexpr int64_t kAmxRows = 16;      // rows a tile holds
+constexpr int64_t kAmxRowBytes = 64;  // bytes a tile row holds
+
+// LDTILECFG's 64-byte operand, palette 1.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// M rows of x (`bytes` bytes each, a multiple of 64, rows `stride` bytes apart) as AMX B tiles, the
+// VNNI layout of bf16 pairs and of int8 quads alike: tile (mb, kb) holds in row p, column m the
+// 32-bit word at byte 64 kb + 4 p of x row 16 mb + m, XOR `flip`; columns past M are 0. Tile
+// (mb, kb) starts at word (mb * bytes / 64 + kb) * 256 of `packed`.
+void pack_b_tiles(const uint8_t* x, int64_t stride, int64_t M, int64_t bytes, uint32_t flip,
+                  std::vector<uint32_t>& packed);
+
+// Tiles 0..tiles-1 as 16 rows of 64 bytes.
+TileConfig full_tiles(int tiles);
+
+// Whether this process may run AMX code using the AMX feature in CPUID leaf 7 EDX bit `edx_bit`
+// (AMX-BF16: 22, AMX-INT8: 25): the CPU has AMX-TILE, that feature and AVX-512 F/BW/VL (the
+// epilogues), Linux granted the tile state (arch_prctl; refused where the kernel or the VM lacks
+// it), and SGLANG_DFLASH_NO_AMX is not set (tests run the other paths that way).
+bool amx_usable(unsigned edx_bit);
+
+}  // namespace sglang_dflash::cpu
