@@ -10,9 +10,9 @@ the op it replaces, and with an int8 weight (the int8 drafter's) it is the same 
 weight (what that drafter ran before); its weights are SmolLM2-135M's shapes, as many copies as
 the model has layers, so they stream from memory as in a decode step rather than sitting in cache.
 w8a8_linear's baseline is skinny_linear on the same int8 weights (the drafter's path without VNNI).
-On a CPU with AVX-512, skinny_linear's AVX-512 path is also timed against its AVX2 path (run in a
-child process, in turns) at the fp32 rows of draft-tree verifies, and on a CPU with AMX its bf16
-path on AMX tiles against the AVX-512 FMA path.
+On a CPU with AVX-512, skinny_linear's and block_attention's AVX-512 paths are also timed against
+their AVX2 paths (run in a child process, in turns) at the rows of draft-tree verifies, and on a
+CPU with AMX skinny_linear's bf16 path and w8a8_linear on AMX tiles against their paths without.
 target_verify times a whole verify forward of the packaged target (fp32 and bf16) with its
 attention through block_attention against the SDPA path it replaced (alternating calls).
 
@@ -209,20 +209,34 @@ def bench_skinny_linear(shape, repeats):
                 ratio=base / kernel, kernel_GBps=gbps)
 
 
-# (rows, N, K, copies, dtype): the target's MLP projections (K = 576 and 1536) and LM head at the
-# verify rows of draft trees of 4, 8 and 15 nodes, on skinny_linear's widest path for the dtype
-# against the next narrower one: fp32 AVX-512 against AVX2 (float_dot_isa), bf16 AMX tiles against
-# the AVX-512 FMA path (bf16_dot_isa; plus 1 row, plain decoding). The path is chosen once per
-# process, so the narrower one runs in a child process, the two timed in turns.
-FMA_PATH_SHAPES = [(5, 1536, 576, 30, torch.float32), (9, 1536, 576, 30, torch.float32),
-                   (16, 1536, 576, 30, torch.float32), (9, 576, 1536, 30, torch.float32),
-                   (9, 49152, 576, 1, torch.float32)]
-AMX_PATH_SHAPES = [(1, 1536, 576, 30, torch.bfloat16), (5, 1536, 576, 30, torch.bfloat16),
-                   (9, 1536, 576, 30, torch.bfloat16), (16, 1536, 576, 30, torch.bfloat16),
-                   (9, 576, 1536, 30, torch.bfloat16), (9, 49152, 576, 1, torch.bfloat16)]
-# What each comparison turns off in the child process, and how the paths are named.
-NARROWER_PATHS = {"fma": ("SGLANG_DFLASH_NO_AVX512", "skinny_linear avx2", ops.float_dot_isa),
-                  "amx": ("SGLANG_DFLASH_NO_AMX", "skinny_linear avx512 fma", ops.bf16_dot_isa)}
+# Each op on its widest instruction path against the next narrower one, the narrower in a child
+# process (the path is chosen once per process), the two timed in turns:
+# - "fma" (SGLANG_DFLASH_NO_AVX512 in the child): skinny_linear fp32 on AVX-512 against AVX2
+#   (float_dot_isa) at the target's MLP projections (K = 576 and 1536) and LM head, at the verify
+#   rows of draft trees of 4, 8 and 15 nodes; block_attention's tile GEMMs on AVX-512 against AVX2
+#   at the target's 30 layers' decode (1 row) and verify rows, 300 tokens of context.
+# - "amx" (SGLANG_DFLASH_NO_AMX): skinny_linear bf16 on AMX tiles against the AVX-512 FMA path
+#   (bf16_dot_isa; plus 1 row, plain decoding), and w8a8_linear on AMX-INT8 tiles against
+#   AVX512-VNNI (int8_dot_isa) at the drafter's shapes (W8A8_SHAPES) and a block of 8.
+# Cases: (op, shape); skinny_linear (rows, N, K, copies, dtype), block_attention (rows, context,
+# dtype), w8a8_linear (rows, N, K, copies).
+FMA_PATH_CASES = [("skinny_linear", s) for s in [
+    (5, 1536, 576, 30, torch.float32), (9, 1536, 576, 30, torch.float32), (16, 1536, 576, 30, torch.float32),
+    (9, 576, 1536, 30, torch.float32), (9, 49152, 576, 1, torch.float32)]]
+FMA_PATH_CASES += [("block_attention", s) for s in [
+    (1, 300, torch.bfloat16), (5, 300, torch.bfloat16), (9, 300, torch.bfloat16), (16, 300, torch.bfloat16),
+    (9, 300, torch.float32)]]
+AMX_PATH_CASES = [("skinny_linear", s) for s in [
+    (1, 1536, 576, 30, torch.bfloat16), (5, 1536, 576, 30, torch.bfloat16), (9, 1536, 576, 30, torch.bfloat16),
+    (16, 1536, 576, 30, torch.bfloat16), (9, 576, 1536, 30, torch.bfloat16), (9, 49152, 576, 1, torch.bfloat16)]]
+AMX_PATH_CASES += [("w8a8_linear", s) for s in [
+    (1, 1536, 576, 9), (5, 1536, 576, 9), (8, 1536, 576, 9), (1, 16384, 576, 1), (5, 16384, 576, 1),
+    (8, 16384, 576, 1)]]
+# What each comparison turns off in the child process, and which isa each op reports.
+NARROWER_PATHS = {"fma": ("SGLANG_DFLASH_NO_AVX512", "avx2"), "amx": ("SGLANG_DFLASH_NO_AMX", "no AMX")}
+PATH_ISA = {"skinny_linear": lambda dtype: ops.bf16_dot_isa() if dtype == torch.bfloat16 else ops.float_dot_isa(),
+            "block_attention": lambda dtype: ops.float_dot_isa(), "w8a8_linear": lambda dtype: ops.int8_dot_isa()}
+ATTENTION_LAYERS = 30  # calls a round: the target's layers
 
 
 # Each process waits this long before it times: the other one's OpenMP threads spin for some
@@ -230,10 +244,20 @@ NARROWER_PATHS = {"fma": ("SGLANG_DFLASH_NO_AVX512", "skinny_linear avx2", ops.f
 QUIET_S = 0.05
 
 
-def linear_calls(shape):
-    """One call per weight copy, on seeded random inputs in `dtype` (the same in every process)."""
-    rows, n, k, copies, dtype = shape
+def path_calls(case):
+    """One round of a case's calls, on seeded inputs (the same in every process)."""
+    op, shape = case
+    if op == "block_attention":
+        rows, ctx, dtype = shape
+        args = make_inputs(1, rows, 9, 3, 64, [ctx], dtype, seed=0)  # SmolLM2-135M's heads
+        return lambda: [ops.block_attention(**args, block_size=rows, causal_block=True)
+                        for _ in range(ATTENTION_LAYERS)]
+    rows, n, k, copies = shape[:4]
     weights, x = seeded_linear_inputs(rows, n, k, copies)
+    if op == "w8a8_linear":
+        quantized, x = [quantize_rows(w) for w in weights], x.bfloat16()
+        return lambda: [ops.w8a8_linear(x, q, scale) for q, scale in quantized]
+    dtype = shape[4]
     weights, x = [w.to(dtype) for w in weights], x.to(dtype)
     return lambda: [ops.skinny_linear(x, w) for w in weights]
 
@@ -242,13 +266,14 @@ def time_on_request(conn):
     """The child of bench_paths: per shape received, warm up, then time one round of calls per
     request; None ends it. It says "ready" first, once its imports are done."""
     conn.send("ready")
-    calls, shape = None, None
+    calls, case = None, None
     while (request := conn.recv()) is not None:
-        if request != shape:
-            shape, calls = request, linear_calls(request)
+        if request != case:
+            case, calls = request, path_calls(request)
             for _ in range(3):
                 calls()
         time.sleep(QUIET_S)
+        calls()  # wakes this process's threads (and the core's clock) after the pause
         start = time.perf_counter()
         calls()
         conn.send(time.perf_counter() - start)
@@ -256,8 +281,8 @@ def time_on_request(conn):
 
 @contextlib.contextmanager
 def narrower_path_process(switch: str):
-    """A child process started with the environment switch `switch`=1 (its skinny_linear on the
-    narrower path), serving time_on_request."""
+    """A child process started with the environment switch `switch`=1 (its kernels on the narrower
+    path), serving time_on_request."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     before = os.environ.get(switch)
@@ -278,24 +303,38 @@ def narrower_path_process(switch: str):
         proc.join(timeout=60)
 
 
-def bench_paths(shape, repeats, child, baseline, isa):
-    rows, n, k, copies, dtype = shape
-    calls = linear_calls(shape)
+def bench_paths(case, repeats, child, baseline):
+    """A case on this process's (widest) path against the child's (narrower) one, in turns."""
+    op, shape = case
+    calls = path_calls(case)
     for _ in range(3):
         calls()
     times, child_times = [], []
     for _ in range(repeats):
         time.sleep(QUIET_S)
+        calls()  # as the child does: wakes the threads after the pause
         start = time.perf_counter()
         calls()
         times.append(time.perf_counter() - start)
-        child.send(shape)
+        child.send(case)
         child_times.append(child.recv())
     kernel, base = statistics.median(times), statistics.median(child_times)
-    size = torch.finfo(dtype).bits // 8
-    return dict(op="skinny_linear", rows=rows, N=n, K=k, copies=copies, dtype=str(dtype).removeprefix("torch."),
-                isa=isa(), baseline=baseline, kernel_ms=kernel * 1e3, reference_ms=base * 1e3, ratio=base / kernel,
-                kernel_GBps=copies * (n + rows) * k * size / kernel / 1e9)
+    if op == "block_attention":
+        rows, ctx, dtype = shape
+        size = torch.finfo(dtype).bits // 8
+        fields = dict(rows=rows, context=ctx, layers=ATTENTION_LAYERS, dtype=str(dtype).removeprefix("torch."))
+        moved = ATTENTION_LAYERS * (ctx + rows) * 3 * 64 * 2 * size  # K and V of 3 kv heads, read once a layer
+    elif op == "w8a8_linear":
+        rows, n, k, copies = shape
+        dtype = None
+        fields = dict(rows=rows, N=n, K=k, copies=copies)
+        moved = copies * (n * (k + 4) + rows * k * 2)
+    else:
+        rows, n, k, copies, dtype = shape
+        fields = dict(rows=rows, N=n, K=k, copies=copies, dtype=str(dtype).removeprefix("torch."))
+        moved = copies * (n + rows) * k * (torch.finfo(dtype).bits // 8)
+    return dict(op=op, **fields, isa=PATH_ISA[op](dtype), baseline=f"{op} {baseline}", kernel_ms=kernel * 1e3,
+                reference_ms=base * 1e3, ratio=base / kernel, kernel_GBps=moved / kernel / 1e9)
 
 
 # (rows, N, K, copies): the shipped drafter's int8 layers, an MLP projection (N x K as gate / up,
@@ -439,13 +478,13 @@ def main():
         jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_skinny_linear, s) for s in LINEAR_SHAPES[: 1 if opts.quick else None]]
-        for name, shapes, widest in (("fma", FMA_PATH_SHAPES, ops.float_dot_isa() == "avx512"),
-                                     ("amx", AMX_PATH_SHAPES, ops.bf16_dot_isa() == "amx_bf16")):
+        for name, cases, widest in (("fma", FMA_PATH_CASES, ops.float_dot_isa() == "avx512"),
+                                    ("amx", AMX_PATH_CASES, ops.bf16_dot_isa() == "amx_bf16")):
             if widest:
-                switch, baseline, isa = NARROWER_PATHS[name]
+                switch, baseline = NARROWER_PATHS[name]
                 child = stack.enter_context(narrower_path_process(switch))
-                paths = functools.partial(bench_paths, child=child, baseline=baseline, isa=isa)
-                jobs += [(paths, s) for s in shapes[: 1 if opts.quick else None]]
+                paths = functools.partial(bench_paths, child=child, baseline=baseline)
+                jobs += [(paths, c) for c in cases[: 1 if opts.quick else None]]
         jobs += [(bench_w8a8_linear, s) for s in W8A8_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_rms_norm_rope, s) for s in NORM_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_draft_forward, b) for b in [2, 4, 8][: 1 if opts.quick else None]]

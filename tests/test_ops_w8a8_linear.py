@@ -19,7 +19,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 1, 1), (1, 64, 576), (3, 33, 8), (4, 96, 100), (5, 7, 1536), (6, 65, 200), (7, 31, 576),
           (8, 257, 576), (9, 12, 33), (11, 40, 2880), (2, 5, 63), (20, 130, 64), (4, 16384, 576),
           # AMX tile edges (16 weight rows x 16 x rows x 64 bytes of K a tile)
-          (16, 17, 64), (17, 48, 128), (33, 16, 640), (1, 15, 1536)]
+          (16, 17, 64), (17, 48, 128), (33, 16, 640), (3, 15, 1536)]
 
 
 def _inputs(rows, n, k, dtype, seed, bias=True, scale=3.0):
@@ -145,7 +145,8 @@ def test_portable_path_matches_the_reference_too():
 
 def test_int8_runs_on_amx_tiles_where_the_cpu_has_them():
     """On a CPU with AMX-INT8 (and Linux's grant of the tile state) w8a8_linear multiplies in AMX
-    tiles where K is a multiple of 64, else with AVX512-VNNI, else portably."""
+    tiles where x has 3 rows or more and K is a multiple of 64, else with AVX512-VNNI, else
+    portably."""
     flags = cpu_flags()
     vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags and platform.machine() == "x86_64"
     amx = vnni and {"amx_tile", "amx_int8"} <= flags

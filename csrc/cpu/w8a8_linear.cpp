@@ -249,7 +249,7 @@ bool vnni_wanted() {
 // a call: pack_b_tiles), 16384 products into 16 x 16 int32 sums, where vpdpbusd does 32. The sums
 // are the same exact integers, so this path, VNNI's and the reference agree bit for bit, and a
 // step of up to 16 rows costs about what one row costs. K must be a multiple of 64 (the drafters'
-// 576 and 1536 are); other K take VNNI.
+// 576 and 1536 are) and x at least kAmxMinRows rows; other calls take VNNI.
 #define SGLD_AMX_INT8 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
 // Tile registers (literals: the intrinsics paste them): two weight row tiles' sums (two independent
 // TDPBSSD chains hide its latency), their A operands, the x tile.
@@ -260,6 +260,7 @@ bool vnni_wanted() {
 #define SGLD_I8_X 4
 constexpr int kInt8TilesUsed = 5;
 constexpr int64_t kXTileWords = kAmxRows * kAmxRowBytes / 4;
+constexpr int64_t kAmxMinRows = 3;  // bench_ops: AMX 0.8-0.9x VNNI at 1 row, 1.2-1.3x at 5
 
 bool amx_int8_wanted() {
   constexpr unsigned kAmxInt8 = 25;
@@ -359,7 +360,9 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     const QuantizedX& q = qx;  // the calling thread's, read by every worker
 #if SGLD_HAS_AMX
-    if (amx_int8_wanted() && K % kAmxRowBytes == 0) {
+    // Below kAmxMinRows VNNI's per-row cost is still below the tiles' fixed one (packing x,
+    // whole 16 x 16 tiles); both give the same bits, so the choice can be made per call.
+    if (amx_int8_wanted() && K % kAmxRowBytes == 0 && M >= kAmxMinRows) {
       thread_local std::vector<uint32_t> x_tiles;
       // q = u - 128 as a signed byte is u with its top bit flipped.
       pack_b_tiles(q.u.data(), q.stride, M, K, 0x80808080u, x_tiles);

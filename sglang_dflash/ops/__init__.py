@@ -308,7 +308,7 @@ def bf16_dot_isa() -> str:
 
 def int8_dot_isa() -> str:
     """The int8 dot product w8a8_linear runs on this CPU: "amx_int8" (AMX tiles, 16 weight rows x
-    16 x rows x 64 k an instruction, where K is a multiple of 64; AVX512-VNNI for other K;
+    16 x rows x 64 k an instruction, for 3 rows or more and K a multiple of 64; AVX512-VNNI else;
     SGLANG_DFLASH_NO_AMX=1 keeps VNNI), "avx512_vnni", or "portable" (scalar loops; also with
     SGLANG_DFLASH_NO_VNNI=1). All give the same bits (exact integer sums); chosen at the first call."""
     return _ops().int8_dot_isa()
