@@ -1,6 +1,6 @@
 // AMX tile plumbing shared by the CPU kernels' AMX paths (skinny_linear_amx.cpp: bf16;
-// w8a8_linear.cpp: int8). Both use tiles of 16 rows x 64 bytes only, and both take their path
-// once per process.
+// w8a8_linear.cpp: int8; the functions below are defined in skinny_linear_amx.cpp). Both use
+// tiles of 16 rows x 64 bytes only.
 #pragma once
 
 #include <cstdint>
