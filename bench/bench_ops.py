@@ -217,7 +217,8 @@ def bench_skinny_linear(shape, repeats):
 #   at the target's 30 layers' decode (1 row) and verify rows, 300 tokens of context.
 # - "amx" (SGLANG_DFLASH_NO_AMX): skinny_linear bf16 on AMX tiles against the AVX-512 FMA path
 #   (bf16_dot_isa; plus 1 row, plain decoding), and w8a8_linear on AMX-INT8 tiles against
-#   AVX512-VNNI (int8_dot_isa) at the drafter's shapes (W8A8_SHAPES) and a block of 8.
+#   AVX512-VNNI (int8_dot_isa) at the drafter's shapes (W8A8_SHAPES) from 3 rows (AMX's least)
+#   to a block of 8.
 # Cases: (op, shape); skinny_linear (rows, N, K, copies, dtype), block_attention (rows, context,
 # dtype), w8a8_linear (rows, N, K, copies).
 FMA_PATH_CASES = [("skinny_linear", s) for s in [
@@ -230,12 +231,12 @@ AMX_PATH_CASES = [("skinny_linear", s) for s in [
     (1, 1536, 576, 30, torch.bfloat16), (5, 1536, 576, 30, torch.bfloat16), (9, 1536, 576, 30, torch.bfloat16),
     (16, 1536, 576, 30, torch.bfloat16), (9, 576, 1536, 30, torch.bfloat16), (9, 49152, 576, 1, torch.bfloat16)]]
 AMX_PATH_CASES += [("w8a8_linear", s) for s in [
-    (1, 1536, 576, 9), (5, 1536, 576, 9), (8, 1536, 576, 9), (1, 16384, 576, 1), (5, 16384, 576, 1),
+    (3, 1536, 576, 9), (5, 1536, 576, 9), (8, 1536, 576, 9), (3, 16384, 576, 1), (5, 16384, 576, 1),
     (8, 16384, 576, 1)]]
 # What each comparison turns off in the child process, and which isa each op reports.
 NARROWER_PATHS = {"fma": ("SGLANG_DFLASH_NO_AVX512", "avx2"), "amx": ("SGLANG_DFLASH_NO_AMX", "no AMX")}
-PATH_ISA = {"skinny_linear": lambda dtype: ops.bf16_dot_isa() if dtype == torch.bfloat16 else ops.float_dot_isa(),
-            "block_attention": lambda dtype: ops.float_dot_isa(), "w8a8_linear": lambda dtype: ops.int8_dot_isa()}
+PATH_ISA = {"skinny_linear": lambda shape: ops.bf16_dot_isa() if shape[4] == torch.bfloat16 else ops.float_dot_isa(),
+            "block_attention": lambda shape: ops.float_dot_isa(), "w8a8_linear": lambda shape: ops.int8_dot_isa()}
 ATTENTION_LAYERS = 30  # calls a round: the target's layers
 
 
@@ -244,22 +245,33 @@ ATTENTION_LAYERS = 30  # calls a round: the target's layers
 QUIET_S = 0.05
 
 
-def path_calls(case):
-    """One round of a case's calls, on seeded inputs (the same in every process)."""
+def path_case(case):
+    """One round of a case's calls, on seeded inputs (the same in every process), with the fields
+    that name the case in the results and the bytes a round must read."""
     op, shape = case
     if op == "block_attention":
         rows, ctx, dtype = shape
         args = make_inputs(1, rows, 9, 3, 64, [ctx], dtype, seed=0)  # SmolLM2-135M's heads
-        return lambda: [ops.block_attention(**args, block_size=rows, causal_block=True)
-                        for _ in range(ATTENTION_LAYERS)]
+        fields = dict(rows=rows, context=ctx, layers=ATTENTION_LAYERS, dtype=str(dtype).removeprefix("torch."))
+        moved = ATTENTION_LAYERS * (ctx + rows) * 3 * 64 * 2 * dtype.itemsize  # K and V of 3 kv heads a layer
+        return (lambda: [ops.block_attention(**args, block_size=rows, causal_block=True)
+                         for _ in range(ATTENTION_LAYERS)]), fields, moved
     rows, n, k, copies = shape[:4]
     weights, x = seeded_linear_inputs(rows, n, k, copies)
     if op == "w8a8_linear":
         quantized, x = [quantize_rows(w) for w in weights], x.bfloat16()
-        return lambda: [ops.w8a8_linear(x, q, scale) for q, scale in quantized]
+        return ((lambda: [ops.w8a8_linear(x, q, scale) for q, scale in quantized]),
+                dict(rows=rows, N=n, K=k, copies=copies), w8a8_bytes(rows, n, k, copies))
     dtype = shape[4]
     weights, x = [w.to(dtype) for w in weights], x.to(dtype)
-    return lambda: [ops.skinny_linear(x, w) for w in weights]
+    return ((lambda: [ops.skinny_linear(x, w) for w in weights]),
+            dict(rows=rows, N=n, K=k, copies=copies, dtype=str(dtype).removeprefix("torch.")),
+            copies * (n + rows) * k * dtype.itemsize)
+
+
+def w8a8_bytes(rows, n, k, copies):
+    """What w8a8_linear must read: the int8 weights with their fp32 scales and the bf16 x, a copy."""
+    return copies * (n * (k + 4) + rows * k * 2)
 
 
 def time_on_request(conn):
@@ -269,7 +281,7 @@ def time_on_request(conn):
     calls, case = None, None
     while (request := conn.recv()) is not None:
         if request != case:
-            case, calls = request, path_calls(request)
+            case, calls = request, path_case(request)[0]
             for _ in range(3):
                 calls()
         time.sleep(QUIET_S)
@@ -306,7 +318,7 @@ def narrower_path_process(switch: str):
 def bench_paths(case, repeats, child, baseline):
     """A case on this process's (widest) path against the child's (narrower) one, in turns."""
     op, shape = case
-    calls = path_calls(case)
+    calls, fields, moved = path_case(case)
     for _ in range(3):
         calls()
     times, child_times = [], []
@@ -319,21 +331,7 @@ def bench_paths(case, repeats, child, baseline):
         child.send(case)
         child_times.append(child.recv())
     kernel, base = statistics.median(times), statistics.median(child_times)
-    if op == "block_attention":
-        rows, ctx, dtype = shape
-        size = torch.finfo(dtype).bits // 8
-        fields = dict(rows=rows, context=ctx, layers=ATTENTION_LAYERS, dtype=str(dtype).removeprefix("torch."))
-        moved = ATTENTION_LAYERS * (ctx + rows) * 3 * 64 * 2 * size  # K and V of 3 kv heads, read once a layer
-    elif op == "w8a8_linear":
-        rows, n, k, copies = shape
-        dtype = None
-        fields = dict(rows=rows, N=n, K=k, copies=copies)
-        moved = copies * (n * (k + 4) + rows * k * 2)
-    else:
-        rows, n, k, copies, dtype = shape
-        fields = dict(rows=rows, N=n, K=k, copies=copies, dtype=str(dtype).removeprefix("torch."))
-        moved = copies * (n + rows) * k * (torch.finfo(dtype).bits // 8)
-    return dict(op=op, **fields, isa=PATH_ISA[op](dtype), baseline=f"{op} {baseline}", kernel_ms=kernel * 1e3,
+    return dict(op=op, **fields, isa=PATH_ISA[op](shape), baseline=f"{op} {baseline}", kernel_ms=kernel * 1e3,
                 reference_ms=base * 1e3, ratio=base / kernel, kernel_GBps=moved / kernel / 1e9)
 
 
@@ -354,7 +352,7 @@ def bench_w8a8_linear(shape, repeats):
                                        lambda: [ops.skinny_linear(x, q, None, s) for q, s in quantized], repeats)
     return dict(op="w8a8_linear", rows=rows, N=n, K=k, copies=copies, isa=ops.int8_dot_isa(),
                 baseline="skinny_linear int8", kernel_ms=kernel * 1e3, reference_ms=base * 1e3,
-                ratio=base / kernel, kernel_GBps=copies * (n * (k + 4) + rows * k * 2) / kernel / 1e9)
+                ratio=base / kernel, kernel_GBps=w8a8_bytes(rows, n, k, copies) / kernel / 1e9)
 
 
 # (rows, heads, D, rotary): the shipped drafter's q / k norm + RoPE at B 4 and 8, its hidden_norm

@@ -316,7 +316,6 @@ void stream_weight(const float* xp, int64_t M, int64_t N, int64_t K, const W* w,
 }  // namespace wide
 #endif  // SGLD_HAS_X86
 
-
 // All weight rows against all rows of x, on the widest path this CPU has.
 template <typename W, typename O>
 void stream_weight_dispatch(const float* xp, int64_t M, int64_t N, int64_t K, const W* w, int64_t ldw,

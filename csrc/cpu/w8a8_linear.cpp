@@ -242,7 +242,6 @@ bool vnni_wanted() {
 #endif
 }
 
-
 #if SGLD_HAS_AMX
 // The AMX path (CPUs with AMX-INT8): one TDPBSSD multiplies a 16 x 64 tile of weight rows (signed
 // bytes, the A operand, as they lie) by a 64 x 16 tile of x rows (q as signed bytes, re-laid once
