@@ -53,16 +53,19 @@ def test_verified_rows_are_bitwise_what_decoding_them_one_at_a_time_computes(dty
     a verified block's rows, in a ragged batch, and a draft tree's nodes, before and after the
     rejected nodes become holes in the cache, give bit for bit the logits of decoding the same
     tokens one at a time. (SDPA, which the steps ran before, is off by ~1e-5 in fp32 and by whole
-    bf16 ulps: its GEMMs block the query rows.)"""
+    bf16 ulps: its GEMMs block the query rows.) Blocks of 9 put 18 rows through each linear layer,
+    more than skinny.MAX_ROWS, where torch's BLAS would block the rows (fp32: off by ~1e-7)."""
     target = tiny_target()
     target.model.to(dtype)
     target.set_taps(())
-    prompts, block = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], [[30, 31, 32, 33], [40, 41, 42, 43]]
-    target.prefill(prompts)
-    starts = torch.tensor([[len(p)] for p in prompts])
-    logits, _ = target.verify(torch.tensor(block), starts + torch.arange(4))
-    for b in range(2):
-        assert torch.equal(logits.view(2, 4, -1)[b], _decode(target, prompts[b], block[b])), b
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    for width in (4, 9):
+        block = [list(range(30, 30 + width)), list(range(40, 40 + width))]
+        target.prefill(prompts)
+        starts = torch.tensor([[len(p)] for p in prompts])
+        logits, _ = target.verify(torch.tensor(block), starts + torch.arange(width))
+        for b in range(2):
+            assert torch.equal(logits.view(2, width, -1)[b], _decode(target, prompts[b], block[b])), (width, b)
 
     # Root, a chain of 3 and siblings; the accepted path 0 -> 2 -> 5 leaves nodes 1, 3, 4, 6 as holes.
     tokens = torch.tensor([[50, 51, 52, 53, 54, 55, 56]])

@@ -16,6 +16,7 @@ from sglang_dflash.models.skinny import (
     MAX_ROWS,
     Int8Linear,
     SkinnyLinear,
+    batch_invariant,
     quantize_rows,
     use_skinny_linear,
 )
@@ -208,7 +209,9 @@ def test_module_swap_keeps_parameters_ties_and_falls_back():
     with torch.no_grad():
         torch.testing.assert_close(model(few), expected[0], rtol=1e-5, atol=1e-6)
         assert torch.equal(model(many), expected[1])  # above MAX_ROWS: torch's own linear
-    assert len(calls) == 2
+        with batch_invariant():  # ... except in decode and verify steps: every row as it is alone
+            assert torch.equal(model(many), torch.cat([model(row[None]) for row in many]))
+    assert len(calls) == 2 + 1 + len(many)
     loss = model(few).square().sum()  # autograd on: torch's linear, gradients flow
     loss.backward()
     assert model[0].weight.grad is not None

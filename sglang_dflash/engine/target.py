@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sglang_dflash.engine import grouped_attention
 from sglang_dflash.engine.kv_cache import GrowingCache
 from sglang_dflash.engine.packaged import PACKAGED_MODELS, model_dir
-from sglang_dflash.models.skinny import use_skinny_linear
+from sglang_dflash.models.skinny import batch_invariant, use_skinny_linear
 from sglang_dflash.ops import self_test
 
 # Rejected tree nodes left in the cache as masked-out columns before it is compacted (commit_nodes):
@@ -166,7 +166,7 @@ class HFTarget:
         """
         bs, block = tokens.shape
         mask = torch.cat([self._valid, self._valid.new_ones(bs, block)], dim=1)
-        with grouped_attention.kernel_step(self._valid, block):
+        with grouped_attention.kernel_step(self._valid, block), batch_invariant():
             out = self._forward(tokens, positions, mask.long(), self._cache)
         self._valid, self._block = mask, block
         return out.logits.reshape(bs * block, -1), self.take_taps()
@@ -181,7 +181,7 @@ class HFTarget:
         bs, n = tokens.shape
         width = self._valid.shape[1]
         mask = torch.cat([self._valid[:, None, None, :].expand(bs, 1, n, width), ancestors[:, None]], dim=-1)
-        with grouped_attention.kernel_step(self._valid, n, parents):
+        with grouped_attention.kernel_step(self._valid, n, parents), batch_invariant():
             out = self._forward(tokens, positions, mask, self._cache)  # a 4-D mask is used as given
         self._valid, self._block = torch.cat([self._valid, self._valid.new_ones(bs, n)], dim=1), n
         return out.logits.reshape(bs * n, -1), self.take_taps()

@@ -3,7 +3,10 @@
 A decode step feeds 1 row per request through every projection and a verify step B rows; there
 the kernel reads each weight once instead of BLAS packing it, and it is batch invariant, so a
 verify pass computes in its linear layers bit for bit what plain decoding computes token by
-token. Larger inputs (prefill, training), other devices and autograd keep torch's own linear.
+token. Larger inputs (prefill, training), other devices and autograd keep torch's own linear,
+except inside `batch_invariant()`: the decode and verify steps run there, since BLAS blocks its
+rows by their count and a block of more than MAX_ROWS rows (a large tree, a batch of requests)
+would not compute what decoding its tokens one at a time computes (fp32: off by ~1e-5).
 
 `Int8Linear` holds its weight in int8 with one scale per row: a step that is bound by reading
 weights reads half the bytes of bf16. On a CPU with AVX512-VNNI its activations are quantized to
@@ -14,7 +17,9 @@ drafts use it (a draft never changes the output, only how often it is accepted).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +31,28 @@ MAX_ROWS = 16  # above this the weight is reused enough for BLAS to win (fp32, b
 CHUNK_ROWS = 128  # rows of x per kernel call: 128 x 1536 fp32 values still fit in L2
 W8A8_MAX_K = 131072  # w8a8_linear's largest K (its int32 sums)
 
+_scope = threading.local()  # .batch_invariant: inside `batch_invariant()` on this thread
+
+
+@contextlib.contextmanager
+def batch_invariant():
+    """Within it, inputs of every row count take the kernel (CHUNK_ROWS rows a call), so each
+    row's output is bit for bit the one it gets alone: for decode and verify steps, whose rows must
+    compute what decoding them one at a time would, however many there are."""
+    outer = getattr(_scope, "batch_invariant", False)
+    _scope.batch_invariant = True
+    try:
+        yield
+    finally:
+        _scope.batch_invariant = outer
+
 
 def _few_enough_rows(x: torch.Tensor) -> bool:
     # torch's CPU fp16 GEMM (no fp16 arithmetic on AVX2) is slower than skinny_linear at every row
     # count bench/bench_ops.py measures: 1.1-1.3x at 1 row, 2.7-3.8x at 4-32 rows (SmolLM2's MLP
     # shapes), so fp16 always takes the kernel.
-    return x.dtype == torch.float16 or x.numel() <= MAX_ROWS * x.shape[-1]
+    return (x.dtype == torch.float16 or x.numel() <= MAX_ROWS * x.shape[-1]
+            or getattr(_scope, "batch_invariant", False))
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

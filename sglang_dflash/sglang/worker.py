@@ -355,20 +355,25 @@ class DFlashKernelWorker(DFlashWorkerV2):
         ):
             result = run()
         else:
+            from sglang_dflash.models.skinny import batch_invariant
+
             result = None
             trees = self._trees if self._tree_step_ok(batch) else None
             if trees is not None:
                 trees.logits_in_path_order = bool(batch.return_logprob)
             try:
-                if self._adaptive is not None:
-                    result = self._adaptive.run_step(batch.reqs, run, trees)
-                elif self._tree_states is not None:  # trees at a fixed budget; chains at the full block
-                    self._tree_states.use(self._trees.budget + 1 if trees is not None else self._max_block_size)
-                    if trees is not None:
-                        trees.begin(trees.budget)
-                    result = run()
-                else:
-                    result = run()
+                # Our linear layers at every row count: a verify of many rows (a batch of blocks
+                # or trees) then computes what decoding its tokens one at a time computes.
+                with batch_invariant():
+                    if self._adaptive is not None:
+                        result = self._adaptive.run_step(batch.reqs, run, trees)
+                    elif self._tree_states is not None:  # trees at a fixed budget; chains at the full block
+                        self._tree_states.use(self._trees.budget + 1 if trees is not None else self._max_block_size)
+                        if trees is not None:
+                            trees.begin(trees.budget)
+                        result = run()
+                    else:
+                        result = run()
             finally:
                 if self._trees is not None:
                     self._trees.finish(batch.reqs, None if result is None else result.accept_lens.tolist())
