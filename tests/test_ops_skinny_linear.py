@@ -133,9 +133,10 @@ def test_bf16_runs_on_amx_tiles_where_the_cpu_has_them():
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 16, 32), (3, 49, 64), (16, 100, 576), (17, 33, 96), (37, 130, 1536),
-                                      (5, 7, 40), (9, 31, 577)])
+                                      (32, 48, 640), (33, 17, 64), (5, 7, 40), (9, 31, 577)])
 def test_bf16_tiles_edges_match_reference_and_are_batch_invariant(rows, n, k):
-    """Where AMX serves bf16: partial weight tiles (n % 16), x rows past one tile (16), K with and
+    """Where AMX serves bf16: partial weight tiles (n % 16), x rows past one tile (16; pairs of x
+    tiles share each weight tile load, and an odd last one runs alone), K with and
     without a tail past whole 32-value steps (each its own epilogue), strided weight rows; every
     row bitwise the same alone. Elsewhere this repeats the FMA path's checks."""
     x, w, b = _inputs(rows, n, k, torch.bfloat16, seed=rows * 7 + n)

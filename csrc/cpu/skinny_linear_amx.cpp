@@ -4,7 +4,8 @@
 // The fp32 FMA paths (skinny_linear.cpp) convert bf16 to fp32 and are bound by their FMAs past
 // ~5 rows on 2 cores: each verified row costs as much as a decode step's worth of weight reading.
 // One TDPBF16PS multiplies a 16 x 32 weight tile by a 32 x 16 x tile (8192 products), so with AMX
-// a verify of up to 16 rows reads the weight once and costs about what one row costs. The weight
+// a verify of up to 16 rows reads the weight once and costs about what one row costs; each weight
+// tile loaded serves two x tiles, so up to 32 rows still load it once. The weight
 // is used as it lies: its rows are the tile's A operand (16 rows x 32 bf16, 64 bytes each, the
 // row stride of the weight), and x, re-laid once a call into VNNI pairs, is the B operand; the
 // 16 x 16 fp32 accumulator tile holds weight rows x x rows.
@@ -38,15 +39,19 @@ constexpr int64_t kStep = 32;  // bf16 values of k a tile row holds (64 bytes)
 constexpr int64_t kTileValues = kTile * kStep;
 constexpr int64_t kPrefetchTilesAhead = 4;  // weight row tiles, into L2 while these are multiplied
 
-// Tile registers (literals: the intrinsics paste them into the instruction): accumulators of two
-// weight row tiles (two independent TDPBF16PS chains, which hide the instruction's latency), their
-// A operands, and the x tile.
-#define SGLD_TILE_SUM0 0
-#define SGLD_TILE_SUM1 1
-#define SGLD_TILE_WEIGHT0 2
-#define SGLD_TILE_WEIGHT1 3
-#define SGLD_TILE_X 4
-constexpr int kTilesUsed = 5;
+// Tile registers (literals: the intrinsics paste them into the instruction): the accumulators of
+// two weight row tiles x two x row tiles (up to four independent TDPBF16PS chains, which hide the
+// instruction's latency; each weight tile load serves both x tiles, so a verify of 17-32 rows
+// reads the weight from L2 once, not once per x tile), their A operands and the two x tiles.
+#define SGLD_TILE_SUM_A_X0 0
+#define SGLD_TILE_SUM_B_X0 1
+#define SGLD_TILE_SUM_A_X1 2
+#define SGLD_TILE_SUM_B_X1 3
+#define SGLD_TILE_WEIGHT0 4
+#define SGLD_TILE_WEIGHT1 5
+#define SGLD_TILE_X0 6
+#define SGLD_TILE_X1 7
+constexpr int kTilesUsed = 8;
 
 // A weight row tile as A operand rows: the weight itself, or for the last tile of an N that is
 // not a multiple of 16, its rows copied into `padded` (zeros below them: no read past the weight).
@@ -101,26 +106,35 @@ SGLD_AMX_BF16 void store_tile(const float (&sums)[kTile][kTile], const WeightTil
   }
 }
 
-// Meanwhile the weight rows `prefetch` go into L2, a cache line of each per k step.
-template <bool pair>
-SGLD_AMX_BF16 void multiply_tiles(const WeightTile& a, const WeightTile& b, const uint32_t* x_tiles,
-                                  int64_t k_tiles, const char* const (&prefetch)[2 * kTile],
-                                  float (&sums_a)[kTile][kTile], float (&sums_b)[kTile][kTile]) {
-  _tile_zero(SGLD_TILE_SUM0);
-  if constexpr (pair) _tile_zero(SGLD_TILE_SUM1);
+using TileSums = float[kTile][kTile];
+
+// sums[w + 2 j] = weight tile w (a, or b with `pair`) x x tile j (x0, or x1 with `two_x`), over
+// k in order. Meanwhile the weight rows `prefetch` go into L2, a cache line of each per k step.
+template <bool pair, bool two_x>
+SGLD_AMX_BF16 void multiply_tiles(const WeightTile& a, const WeightTile& b, const uint32_t* x0, const uint32_t* x1,
+                                  int64_t k_tiles, const char* const (&prefetch)[2 * kTile], TileSums (&sums)[4]) {
+  _tile_zero(SGLD_TILE_SUM_A_X0);
+  if constexpr (pair) _tile_zero(SGLD_TILE_SUM_B_X0);
+  if constexpr (two_x) _tile_zero(SGLD_TILE_SUM_A_X1);
+  if constexpr (pair && two_x) _tile_zero(SGLD_TILE_SUM_B_X1);
   for (int64_t kb = 0; kb < k_tiles; ++kb) {
     for (const char* row : prefetch) _mm_prefetch(row + kb * kStep * sizeof(c10::BFloat16), _MM_HINT_T1);
-    _tile_loadd(SGLD_TILE_X, x_tiles + kb * kTileValues / 2, kTile * sizeof(uint32_t));
+    _tile_loadd(SGLD_TILE_X0, x0 + kb * kTileValues / 2, kTile * sizeof(uint32_t));
+    if constexpr (two_x) _tile_loadd(SGLD_TILE_X1, x1 + kb * kTileValues / 2, kTile * sizeof(uint32_t));
     _tile_loadd(SGLD_TILE_WEIGHT0, a.rows + kb * kStep, a.stride * sizeof(c10::BFloat16));
     if constexpr (pair) _tile_loadd(SGLD_TILE_WEIGHT1, b.rows + kb * kStep, b.stride * sizeof(c10::BFloat16));
-    _tile_dpbf16ps(SGLD_TILE_SUM0, SGLD_TILE_WEIGHT0, SGLD_TILE_X);
-    if constexpr (pair) _tile_dpbf16ps(SGLD_TILE_SUM1, SGLD_TILE_WEIGHT1, SGLD_TILE_X);
+    _tile_dpbf16ps(SGLD_TILE_SUM_A_X0, SGLD_TILE_WEIGHT0, SGLD_TILE_X0);
+    if constexpr (pair) _tile_dpbf16ps(SGLD_TILE_SUM_B_X0, SGLD_TILE_WEIGHT1, SGLD_TILE_X0);
+    if constexpr (two_x) _tile_dpbf16ps(SGLD_TILE_SUM_A_X1, SGLD_TILE_WEIGHT0, SGLD_TILE_X1);
+    if constexpr (pair && two_x) _tile_dpbf16ps(SGLD_TILE_SUM_B_X1, SGLD_TILE_WEIGHT1, SGLD_TILE_X1);
   }
-  _tile_stored(SGLD_TILE_SUM0, sums_a, kTile * sizeof(float));
-  if constexpr (pair) _tile_stored(SGLD_TILE_SUM1, sums_b, kTile * sizeof(float));
+  _tile_stored(SGLD_TILE_SUM_A_X0, sums[0], kTile * sizeof(float));
+  if constexpr (pair) _tile_stored(SGLD_TILE_SUM_B_X0, sums[1], kTile * sizeof(float));
+  if constexpr (two_x) _tile_stored(SGLD_TILE_SUM_A_X1, sums[2], kTile * sizeof(float));
+  if constexpr (pair && two_x) _tile_stored(SGLD_TILE_SUM_B_X1, sums[3], kTile * sizeof(float));
 }
 
-// Weight row tiles [begin, end), two at a time, against every x row tile.
+// Weight row tiles [begin, end), two at a time, against every x row tile, two at a time.
 SGLD_AMX_BF16 void row_tiles(const c10::BFloat16* x, const uint32_t* x_tiles, int64_t M, int64_t N, int64_t K,
                              const c10::BFloat16* w, int64_t ldw, const c10::BFloat16* bias, c10::BFloat16* out,
                              int64_t begin, int64_t end) {
@@ -128,7 +142,7 @@ SGLD_AMX_BF16 void row_tiles(const c10::BFloat16* x, const uint32_t* x_tiles, in
   _tile_loadconfig(&config);  // tile configuration is per thread
   thread_local std::vector<c10::BFloat16> padded;
   const int64_t k_tiles = K / kStep, x_row_tiles = (M + kTile - 1) / kTile;
-  float sums_a[kTile][kTile], sums_b[kTile][kTile];
+  TileSums sums[4];
   const char* prefetch[2 * kTile];
   for (int64_t t = begin; t < end; t += 2) {
     const bool pair = t + 1 < end;
@@ -137,16 +151,24 @@ SGLD_AMX_BF16 void row_tiles(const c10::BFloat16* x, const uint32_t* x_tiles, in
     const WeightTile b = pair ? weight_tile(w, ldw, N, K, t + 1, padded) : a;
     for (int64_t r = 0; r < 2 * kTile; ++r)  // near the end the last row again, not past the weight
       prefetch[r] = reinterpret_cast<const char*>(w + std::min((t + kPrefetchTilesAhead) * kTile + r, N - 1) * ldw);
-    for (int64_t mb = 0; mb < x_row_tiles; ++mb) {
-      const uint32_t* xt = x_tiles + mb * k_tiles * kTileValues / 2;
-      if (pair) {
-        multiply_tiles<true>(a, b, xt, k_tiles, prefetch, sums_a, sums_b);
+    for (int64_t mb = 0; mb < x_row_tiles; mb += 2) {
+      const bool two_x = mb + 1 < x_row_tiles;
+      const uint32_t* x0 = x_tiles + mb * k_tiles * kTileValues / 2;
+      const uint32_t* x1 = two_x ? x0 + k_tiles * kTileValues / 2 : x0;
+      if (pair && two_x) {
+        multiply_tiles<true, true>(a, b, x0, x1, k_tiles, prefetch, sums);
+      } else if (pair) {
+        multiply_tiles<true, false>(a, b, x0, x1, k_tiles, prefetch, sums);
+      } else if (two_x) {
+        multiply_tiles<false, true>(a, b, x0, x1, k_tiles, prefetch, sums);
       } else {
-        multiply_tiles<false>(a, b, xt, k_tiles, prefetch, sums_a, sums_b);
+        multiply_tiles<false, false>(a, b, x0, x1, k_tiles, prefetch, sums);
       }
-      const int64_t m0 = mb * kTile, rows = std::min(kTile, M - m0);
-      store_tile(sums_a, a, t, x, m0, rows, K, bias, N, out);
-      if (pair) store_tile(sums_b, b, t + 1, x, m0, rows, K, bias, N, out);
+      for (int64_t j = 0; j < (two_x ? 2 : 1); ++j) {
+        const int64_t m0 = (mb + j) * kTile, rows = std::min(kTile, M - m0);
+        store_tile(sums[2 * j], a, t, x, m0, rows, K, bias, N, out);
+        if (pair) store_tile(sums[2 * j + 1], b, t + 1, x, m0, rows, K, bias, N, out);
+      }
     }
   }
   _tile_release();
