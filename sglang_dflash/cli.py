@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "fastest (default with --adaptive and a drafter: 4, cut to B - 1, as the server plays; "
                         "else 0)")
     g.add_argument("--tree-topk", type=int, default=4, metavar="K", help="choices per position of a tree (default 4)")
+    g.add_argument("--tree-min-prob", type=float, metavar="P",
+                   help="leave out of a tree the nodes whose path probability (the product of the draft "
+                        "probabilities on it) is below P, so an unsure step verifies fewer rows (default: the "
+                        "engine's, DEFAULT_TREE_MIN_PROB in engine/tree.py; 0: every tree fills its budget)")
     g.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                    help="dtype the draft model runs in (int8: int8 weights with a scale per row, bf16 activations, "
                         "half the bytes a CPU draft step reads; default auto: int8 on CPU, else bfloat16; drafts "
@@ -212,17 +216,20 @@ def generate(args: argparse.Namespace) -> int:
     from sglang_dflash.drafters import resolve_draft
     from sglang_dflash.engine import Generator, HFTarget, SamplingParams, load_drafter
     from sglang_dflash.engine.drafters import NoDrafter
-    from sglang_dflash.engine.tree import default_tree_budget, validate_tree_options
+    from sglang_dflash.engine.tree import DEFAULT_TREE_MIN_PROB, default_tree_budget, validate_tree_options
 
     if not args.prompt and not args.prompt_ids:
         raise ValueError("give at least one --prompt or --prompt-ids")
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size} (omit it for the drafter's)")
     # Checked before any model loads.
+    tree_min_prob = DEFAULT_TREE_MIN_PROB if args.tree_min_prob is None else args.tree_min_prob
     if args.tree_budget:  # asked for (None: the default once the block size is known)
         if not args.draft:
             raise ValueError("--tree-budget needs a drafter (--draft)")
-        validate_tree_options(args.tree_budget, args.tree_topk)
+        validate_tree_options(args.tree_budget, args.tree_topk, min_prob=tree_min_prob)
+    elif args.tree_min_prob is not None:
+        validate_tree_options(1, args.tree_topk, min_prob=tree_min_prob)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens,
                             stop_token_ids=None if args.stop_token_ids is None else tuple(args.stop_token_ids))
@@ -238,13 +245,14 @@ def generate(args: argparse.Namespace) -> int:
     if tree_budget is None:
         tree_budget = default_tree_budget(block_size) if args.adaptive and args.draft else 0
     results = Generator(target, drafter, block_size, adaptive=args.adaptive, tree_budget=tree_budget,
-                        tree_topk=args.tree_topk).generate(
+                        tree_topk=args.tree_topk, tree_min_prob=tree_min_prob).generate(
         args.prompt + args.prompt_ids, params, chat=not args.no_chat_template)
 
     if args.json:
         print(json.dumps({
             "target": args.target, "draft": args.draft, "block_size": block_size, "adaptive": args.adaptive,
             "tree_budget": tree_budget, "tree_topk": args.tree_topk if tree_budget else None,
+            "tree_min_prob": tree_min_prob if tree_budget else None,
             "sampling": dataclasses.asdict(params),
             "torch_threads": torch.get_num_threads(), "device": device,
             "requests": [{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "steps": r.steps,

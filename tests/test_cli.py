@@ -83,12 +83,13 @@ def test_generate_json_lists_the_tree_steps(tmp_path):
     target = tiny_target("qwen3")
     target.model.save_pretrained(tmp_path / "target")
     save_draft(random_draft(target, block_size=6), tmp_path / "draft")
+    # --tree-min-prob 0: every tree fills its budget (the random drafter's paths are all unlikely).
     proc = run_cli("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--tree-budget", "9",
-                   "--tree-topk", "3", "--prompt-ids", "3,4,5,6", "--max-new-tokens", "24",
+                   "--tree-topk", "3", "--tree-min-prob", "0", "--prompt-ids", "3,4,5,6", "--max-new-tokens", "24",
                    "--stop-token-ids", str(STOP_TOKEN), "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout, parse_constant=strict_json_constant)
-    assert (out["tree_budget"], out["tree_topk"]) == (9, 3)
+    assert (out["tree_budget"], out["tree_topk"], out["tree_min_prob"]) == (9, 3, 0)
     (req,) = out["requests"]
     assert req["output_ids"] == hf_greedy(target, [3, 4, 5, 6], 24, STOP_TOKEN)
     trees = req["tree_steps"]
@@ -145,6 +146,12 @@ def test_bad_draft_path_is_one_clear_error(tmp_path):
      "--tree-budget must be in [1, 256] drafted nodes, got -1"),
     (["--draft", "/nonexistent/draft", "--tree-budget", "4", "--tree-topk", "0"],
      "--tree-topk must be in [1, 64] choices per position, got 0"),
+    (["--draft", "/nonexistent/draft", "--tree-budget", "4", "--tree-min-prob", "1"],
+     "--tree-min-prob must be in [0, 1) (a path probability), got 1.0"),
+    (["--draft", "/nonexistent/draft", "--adaptive", "--tree-min-prob", "-0.1"],
+     "--tree-min-prob must be in [0, 1) (a path probability), got -0.1"),
+    (["--draft", "/nonexistent/draft", "--tree-budget", "4", "--tree-min-prob", "nan"],
+     "--tree-min-prob must be in [0, 1) (a path probability), got nan"),
 ])
 def test_bad_generate_flags_are_one_clear_error_before_any_model_loads(flags, message):
     # The target does not exist: a check that ran after loading would report that instead.

@@ -17,6 +17,7 @@ from sglang_dflash.engine import DFlashDrafter, SamplingParams
 from sglang_dflash.engine.compare import compare
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.generator import Generator
+from sglang_dflash.engine.tree import DEFAULT_TREE_MIN_PROB
 from sglang_dflash.models import load_draft
 from tests.dflash_testlib import random_draft, tiny_target
 
@@ -42,16 +43,18 @@ def test_comparison_summary_is_consistent_with_the_runs():
     prompts = [[3, 9, 14, 22], [5, 6, 40, 41, 42, 43, 10]]
     params = SamplingParams(max_new_tokens=20)
     comparisons = compare(new_target, new_drafter, prompts, [4, 8], params, chat=False, adaptive_block_sizes=[8],
-                          tree_budgets=[5], tree_topk=3, adaptive_tree_budgets=[6])
-    assert [(c.block_size, c.adaptive, c.tree_budget) for c in comparisons] == [
-        (4, False, 0), (8, False, 0), (8, True, 0), (8, False, 5), (8, True, 6)]
+                          tree_budgets=[5], tree_topk=3, adaptive_tree_budgets=[6], tree_min_probs=[0, 0.99])
+    assert [(c.block_size, c.adaptive, c.tree_budget, c.tree_min_prob) for c in comparisons] == [
+        (4, False, 0, 0), (8, False, 0, 0), (8, True, 0, 0), (8, False, 5, 0), (8, False, 5, 0.99), (8, True, 6, 0)]
     for c in comparisons:
         s = c.summary()
-        assert s["identical_to_plain"] is True
+        assert s["identical_to_plain"] is True and s["tree_min_prob"] == c.tree_min_prob
         if c.adaptive:
             assert 1 <= s["mean_block_size"] <= max(8, c.tree_budget + 1)
         elif c.tree_budget:
-            assert s["mean_block_size"] == 6 and s["tree_topk"] == 3  # the root and 5 drafted nodes a step
+            # The root and 5 drafted nodes a step; with a least path probability of 0.99 (a random
+            # drafter's) the root and the first node only.
+            assert s["mean_block_size"] == (2 if c.tree_min_prob else 6) and s["tree_topk"] == 3
         else:
             assert s["mean_block_size"] == c.block_size
         steps = sum(r.stats.steps for r in c.spec)
@@ -162,7 +165,7 @@ def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
         assert out.with_name(f"e2e_tree_{name}.png").stat().st_size > 1000
     trees = result["tree_against_chain"]
     assert [(t["temperature"], t["tree"]) for t in trees] == [
-        (t, label) for t in (0.0, 1.0) for label in ("tree6", "≤8+tree≤6")]
+        (t, label) for t in (0.0, 1.0) for label in (f"tree6/{DEFAULT_TREE_MIN_PROB:g}", "≤8+tree≤6")]
     for t in trees:
         chains = [c for c in result["cases"] if c["temperature"] == t["temperature"] and not c["adaptive"]
                   and not c["tree_budget"]]
@@ -184,7 +187,8 @@ def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
     table = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_e2e.py"), "--table", str(out)],
                            cwd=ROOT, capture_output=True, text=True, env=env, check=True).stdout
     assert table.splitlines()[0].startswith(
-        "| dataset | T | tau B=4 | tau B=8 | tau tree6 | B=4 | B=8 | tree6 | B≤4 (mean B) | B≤8+tree≤6 (mean B) | "
+        f"| dataset | T | tau B=4 | tau B=8 | tau tree6/{DEFAULT_TREE_MIN_PROB:g} | B=4 | B=8 | "
+        f"tree6/{DEFAULT_TREE_MIN_PROB:g} | B≤4 (mean B) | B≤8+tree≤6 (mean B) | "
         "B≤4 / best fixed | B≤8+tree≤6 / best fixed |")
     assert [line.split(" | ")[1] for line in table.splitlines()[2:]] == ["0", "1"]
 

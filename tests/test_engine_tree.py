@@ -5,6 +5,7 @@ with the target's cache and the drafter's context kept along the committed path 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ def test_trees_are_the_best_paths_and_hold_the_chain(depth, k):
     budgets = [1, 7, 30]
     anchors, candidates, scores = random_choices(len(budgets), depth, k, seed=depth * 10 + k)
     trees = build_trees(anchors, candidates, scores, budgets)
-    n = max(budgets) + 1
+    n = max(trees.sizes)  # padded to the largest tree, not the largest budget
     assert trees.tokens.shape == trees.parents.shape == trees.depths.shape == (3, n)
     for b, budget in enumerate(budgets):
         size = trees.sizes[b]
@@ -65,6 +66,31 @@ def test_trees_are_the_best_paths_and_hold_the_chain(depth, k):
         assert path_scores == sorted(path_scores, reverse=True), "nodes come best first"
         deepest = max(len(p) for p in ranks.values())
         assert all((0,) * d in ranks.values() for d in range(1, deepest + 1)), "the chain to the tree's depth"
+
+
+@pytest.mark.parametrize("min_prob", [0.15, 0.3, 0.999])
+def test_trees_stop_at_the_least_path_probability(min_prob):
+    """A tree holds, of the nodes its budget allows, those whose path probability is at least
+    min_prob, and always its first node: the first nodes of the tree grown without the bound,
+    padded to the largest tree."""
+    budgets = [2, 9, 40]
+    anchors, candidates, scores = random_choices(len(budgets), 4, 3, seed=11)
+    scores = scores / 4  # first choices of probability 0.37-1
+    full = build_trees(anchors, candidates, scores, budgets)
+    trees = build_trees(anchors, candidates, scores, budgets, min_prob)
+    assert trees.tokens.shape[1] == max(trees.sizes) and trees.known_ancestors.shape[1:] == (max(trees.sizes),) * 2
+    for b, budget in enumerate(budgets):
+        likely = [p for p in brute_force_best(scores[b], budget)
+                  if sum(float(scores[b, d, r]) for d, r in enumerate(p)) >= math.log(min_prob)]
+        size = trees.sizes[b]
+        assert size == 1 + max(len(likely), 1)
+        for field in ("tokens", "parents", "depths"):
+            assert torch.equal(getattr(trees, field)[b, :size], getattr(full, field)[b, :size]), field
+        assert torch.equal(trees.ancestors()[b, :size, :size], full.ancestors()[b, :size, :size])
+    if min_prob < 0.5:
+        assert trees.sizes[0] == full.sizes[0] and max(trees.sizes) < max(full.sizes), "cut the large trees only"
+    else:
+        assert trees.sizes == [2, 2, 2], "the first node stays"
 
 
 def test_chain_accept_lens_follow_the_chain_inside_the_tree():
@@ -145,9 +171,9 @@ def check_steps(result, max_depth):
         assert tree["path"] == sorted(tree["path"]) and tree["nodes"] > tree["path"][-1]
 
 
-@pytest.mark.parametrize("budget,topk", [(1, 1), (5, 3), (16, 4), (40, 2)])
+@pytest.mark.parametrize("budget,topk,min_prob", [(1, 1, 0.03), (5, 3, 0), (16, 4, 0.03), (40, 2, 0), (40, 3, 0.1)])
 @pytest.mark.parametrize("batch", ["bs1", "bs4"])
-def test_greedy_tree_generation_equals_plain_greedy(tiny, budget, topk, batch):
+def test_greedy_tree_generation_equals_plain_greedy(tiny, budget, topk, min_prob, batch):
     target, refs = tiny
     prompts, refs = (PROMPTS[1:2], refs[1:2]) if batch == "bs1" else (PROMPTS, refs)
     params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(STOP_TOKEN,))
@@ -155,7 +181,8 @@ def test_greedy_tree_generation_equals_plain_greedy(tiny, budget, topk, batch):
                              seed=budget)
     runs = {}
     for name, drafter in (("oracle", oracle), ("drafter", DFlashDrafter(random_draft(target), target))):
-        runs[name] = Generator(target, drafter, 8, tree_budget=budget, tree_topk=topk).generate(prompts, params)
+        runs[name] = Generator(target, drafter, 8, tree_budget=budget, tree_topk=topk,
+                               tree_min_prob=min_prob).generate(prompts, params)
         for result, ref in zip(runs[name], refs, strict=True):
             assert result.output_ids == ref
             check_steps(result, 7)

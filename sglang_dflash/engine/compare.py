@@ -21,6 +21,7 @@ from collections.abc import Callable
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.generator import GenerationResult, Generator, SamplingParams
 from sglang_dflash.engine.target import HFTarget
+from sglang_dflash.engine.tree import DEFAULT_TREE_MIN_PROB
 
 
 def decode_seconds(results: list[GenerationResult]) -> float:
@@ -41,8 +42,9 @@ class Comparison:
     spec: list[GenerationResult]
     plain: list[GenerationResult]
     adaptive: bool = False
-    tree_budget: int = 0  # > 0: trees of this many drafted nodes, at most block_size - 1 deep
+    tree_budget: int = 0  # > 0: trees of up to this many drafted nodes, at most block_size - 1 deep
     tree_topk: int = 0
+    tree_min_prob: float = 0.0  # the trees' least path probability (tree.py)
 
     def summary(self) -> dict:
         """tau (token-weighted: committed tokens over verify steps; and the mean over prompts),
@@ -56,7 +58,7 @@ class Comparison:
         spec_rate, plain_rate = decode_rate(self.spec), decode_rate(self.plain)
         return dict(
             block_size=self.block_size, adaptive=self.adaptive, temperature=self.params.temperature,
-            tree_budget=self.tree_budget, tree_topk=self.tree_topk,
+            tree_budget=self.tree_budget, tree_topk=self.tree_topk, tree_min_prob=self.tree_min_prob,
             samples=len(self.spec),
             mean_block_size=sum(r.stats.verified_tokens for r in self.spec) / max(steps, 1),
             tau_token_weighted=tokens / max(steps, 1),
@@ -75,24 +77,28 @@ class Comparison:
 def compare(new_target: Callable[[], HFTarget], new_drafter: Callable[[HFTarget], object], prompts: list,
             block_sizes: list[int], params: SamplingParams, chat: bool = True, progress=None,
             adaptive_block_sizes: list[int] = (), tree_budgets: list[int] = (), tree_topk: int = 4,
-            adaptive_tree_budgets: list[int] = ()) -> list[Comparison]:
+            adaptive_tree_budgets: list[int] = (),
+            tree_min_probs: list[float] = (DEFAULT_TREE_MIN_PROB,)) -> list[Comparison]:
     """Plain and speculative decoding of every prompt; one Comparison per fixed block size, then
     one per adaptive maximum (each adaptive generator carries what it learns from prompt to
-    prompt, as a server would), then one per tree budget (trees of `tree_topk` choices a position,
-    as deep as the drafter's block allows), then one per adaptive tree budget (each step a chain of
-    up to the drafter's block or a tree of up to that many nodes: ChainOrTreeController).
+    prompt, as a server would), then one per tree budget and least path probability (trees of
+    `tree_topk` choices a position, as deep as the drafter's block allows), then one per adaptive
+    tree budget (each step a chain of up to the drafter's block or a tree of up to that many nodes:
+    ChainOrTreeController; with the first of `tree_min_probs`).
     `new_target()` makes a target and `new_drafter(target)` a drafter for it, one of each per
     configuration (each run keeps its requests' state in them); all must compute alike.
     `progress` (optional) is called once per prompt."""
     plain_gen = Generator(new_target(), NoDrafter(), 1)
-    configs = ([(b, False, 0) for b in block_sizes] + [(b, True, 0) for b in adaptive_block_sizes]
-               + [(None, False, n) for n in tree_budgets] + [(None, True, n) for n in adaptive_tree_budgets])
+    least = tree_min_probs[0]
+    configs = ([(b, False, 0, 0.0) for b in block_sizes] + [(b, True, 0, 0.0) for b in adaptive_block_sizes]
+               + [(None, False, n, p) for n in tree_budgets for p in tree_min_probs]
+               + [(None, True, n, least) for n in adaptive_tree_budgets])
     generators = []
-    for b, adaptive, n in configs:
+    for b, adaptive, n, p in configs:
         target = new_target()
         drafter = new_drafter(target)
         generators.append(Generator(target, drafter, b or drafter.max_block_size, adaptive=adaptive,
-                                    tree_budget=n, tree_topk=tree_topk))
+                                    tree_budget=n, tree_topk=tree_topk, tree_min_prob=p))
     plain: list[GenerationResult] = []
     spec: list[list[GenerationResult]] = [[] for _ in configs]
     runs = [(plain, plain_gen)] + list(zip(spec, generators, strict=True))
@@ -108,5 +114,5 @@ def compare(new_target: Callable[[], HFTarget], new_drafter: Callable[[HFTarget]
         if progress:
             progress()
     return [Comparison(g.block_size, params, results, plain, adaptive=a, tree_budget=n,
-                       tree_topk=tree_topk if n else 0)
-            for g, (_, a, n), results in zip(generators, configs, spec, strict=True)]
+                       tree_topk=tree_topk if n else 0, tree_min_prob=p)
+            for g, (_, a, n, p), results in zip(generators, configs, spec, strict=True)]

@@ -10,10 +10,11 @@ step's block size is chosen by a `BlockSizeController` (block_size.py). With a `
 step verifies a tree of drafts instead of a chain (tree.py): the drafter's `tree_topk` best tokens
 at each of the first min(B - 1, tree_budget) positions (a tree of n nodes is at most n deep, so it
 drafts a block of at most n + 1, as the served worker does), grown best first to `tree_budget`
-nodes, all checked in one target pass by `verify_tree`, which commits the longest path the target
-agrees with. With both, each step is a chain of the chosen size or a tree of budget tree_budget,
-/ 2 or / 4, whichever is expected to commit the most tokens per second (`ChainOrTreeController`,
-chain_or_tree.py).
+nodes or to the first less likely than `tree_min_prob` (the served worker's trees always fill
+their budget: SGLang's step buffers hold a block of budget + 1), all checked in one target pass
+by `verify_tree`, which commits the longest path the target agrees with. With both, each step is
+a chain of the chosen size or a tree of budget tree_budget, / 2 or / 4, whichever is expected
+to commit the most tokens per second (`ChainOrTreeController`, chain_or_tree.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from sglang_dflash.engine.block_size import FIRST_STEP, BlockSizeController, nex
 from sglang_dflash.engine.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
 from sglang_dflash.engine.drafters import DraftSampling
 from sglang_dflash.engine.target import HFTarget
-from sglang_dflash.engine.tree import build_trees, chain_accept_lens, chain_depths, path_rows, validate_tree_options
+from sglang_dflash.engine.tree import (
+    DEFAULT_TREE_MIN_PROB,
+    build_trees,
+    chain_accept_lens,
+    chain_depths,
+    path_rows,
+    validate_tree_options,
+)
 from sglang_dflash.ops import check_device_errors, verify_block, verify_tree
 
 
@@ -170,12 +178,13 @@ class GenerationRun:
 class Generator:
     """`block_size`: the block of every step, or with `adaptive` the largest one a step may use.
     An adaptive generator keeps what it learned about step times and acceptance across calls.
-    `tree_budget` > 0: verify trees of that many drafted nodes, `tree_topk` choices per position,
-    at most block_size - 1 deep (tree.py), instead of chains; with `adaptive`, trees of at most that
-    many nodes or chains, step by step."""
+    `tree_budget` > 0: verify trees of up to that many drafted nodes, `tree_topk` choices per
+    position, at most block_size - 1 deep, none with a path probability below `tree_min_prob`
+    (tree.py), instead of chains; with `adaptive`, such trees of at most that many nodes or chains,
+    step by step."""
 
     def __init__(self, target: HFTarget, drafter, block_size: int, adaptive: bool = False,
-                 tree_budget: int = 0, tree_topk: int = 4):
+                 tree_budget: int = 0, tree_topk: int = 4, tree_min_prob: float = DEFAULT_TREE_MIN_PROB):
         max_b = getattr(drafter, "max_block_size", None)
         if block_size < 1 or (max_b is not None and block_size > max_b):
             raise ValueError(f"block_size must be in [1, {max_b or 'inf'}] for this drafter, got {block_size}")
@@ -184,9 +193,9 @@ class Generator:
                 raise ValueError("a tree budget needs a DFlash drafter (this drafter proposes no candidates)")
             if block_size < 2:
                 raise ValueError(f"a tree needs block_size >= 2 (its depth is block_size - 1), got {block_size}")
-            validate_tree_options(tree_budget, tree_topk, drafter.vocab_size)
+            validate_tree_options(tree_budget, tree_topk, drafter.vocab_size, tree_min_prob)
         self.target, self.drafter, self.block_size = target, drafter, block_size
-        self.tree_budget, self.tree_topk = tree_budget, tree_topk
+        self.tree_budget, self.tree_topk, self.tree_min_prob = tree_budget, tree_topk, tree_min_prob
         self.controller = None
         if adaptive:
             budgets = tree_budgets_up_to(tree_budget) if tree_budget else []
@@ -289,7 +298,7 @@ class Generator:
             if tree_budget:
                 depth = min(B - 1, tree_budget)  # deeper positions cannot hold a node of the tree
                 choices = drafter.propose_candidates(active, anchors, start_t, depth, self.tree_topk, sampling)
-                trees = build_trees(anchors, *choices, [tree_budget] * len(active))
+                trees = build_trees(anchors, *choices, [tree_budget] * len(active), self.tree_min_prob)
                 t1 = time.perf_counter()
                 logits, step_taps = target.verify_tree(trees.tokens, start_t[:, None] + trees.depths,
                                                        trees.ancestors(), trees.parents)

@@ -14,12 +14,21 @@ the marginals do not depend on the parent, the best node at depth d is the chain
 to d: a tree holding any node at depth d holds the chain to d (ties go to the lower sum of ranks),
 so it never commits fewer tokens than the chain of its depth would. Node 0 is the root: the
 request's last committed token (the chain's row 0); nodes come in the order they were added.
+
+Growth also stops at the first node whose path probability is below `min_prob` (every node left
+is less likely): a node adds its path probability to the tokens a step is expected to commit and
+costs the step a verified row, so it pays only while that probability is above (tokens a step
+commits) x (a row's share of the step's time). On a 2-core CPU a SmolLM2 row is ~1.4 % of a step
+(0.42 of ~30 ms, bf16) and a tree step commits ~2.5 tokens: ~0.035. Where the draft is sure the
+tree runs deep and narrow, where it is not the step verifies a few rows instead of the budget.
+The tree's first node stays (the chain of 2), so every step still drafts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 
 import torch
 
@@ -33,6 +42,10 @@ MAX_TREE_TOPK = 64  # choices per position
 # ..._trees_default*.json; the table in docs/sglang.md), and bench_e2e's adaptive rows with and
 # without them (bench/results/e2e_smollm2-135m_adaptive_trees_chain_acceptance*.json).
 DEFAULT_TREE_BUDGET = 4
+# Nodes less likely than this (the product of the draft probabilities on their path) are left out
+# of a tree: the module docstring's break-even on this CPU, and bench_e2e's best of the values
+# tried (bench/results/e2e_smollm2-135m_trees_bf16.json). 0 grows every tree to its budget.
+DEFAULT_TREE_MIN_PROB = 0.03
 
 
 def default_tree_budget(max_block_size: int) -> int:
@@ -45,7 +58,7 @@ def default_tree_budget(max_block_size: int) -> int:
 
 @dataclasses.dataclass
 class DraftTrees:
-    """A batch of trees, padded to N = the largest budget + 1 nodes."""
+    """A batch of trees, padded to N = the largest tree's nodes."""
 
     tokens: torch.Tensor  # int64 [bs, N]: node 0 the root (anchor), then the drafted tokens
     parents: torch.Tensor  # int64 [bs, N]: parent node index (< own index); -1 for the root and unused nodes
@@ -60,9 +73,11 @@ class DraftTrees:
         return tree_ancestors(self.parents) if self.known_ancestors is None else self.known_ancestors
 
 
-def validate_tree_options(budget: int, topk: int, vocab_size: int | None = None) -> None:
+def validate_tree_options(budget: int, topk: int, vocab_size: int | None = None, min_prob: float = 0.0) -> None:
     """One clear error for a tree option out of range; `vocab_size`: the draft vocabulary's, when
     known (the CLI checks before any model loads, the generator again with the drafter's)."""
+    if not 0.0 <= min_prob < 1.0:  # also NaN
+        raise ValueError(f"--tree-min-prob must be in [0, 1) (a path probability), got {min_prob}")
     if not 1 <= budget <= MAX_TREE_BUDGET:
         raise ValueError(f"--tree-budget must be in [1, {MAX_TREE_BUDGET}] drafted nodes, got {budget}")
     if not 1 <= topk <= MAX_TREE_TOPK:
@@ -72,19 +87,21 @@ def validate_tree_options(budget: int, topk: int, vocab_size: int | None = None)
 
 
 def build_trees(anchors: torch.Tensor, candidates: torch.Tensor, scores: torch.Tensor,
-                budgets: list[int]) -> DraftTrees:
+                budgets: list[int], min_prob: float = 0.0) -> DraftTrees:
     """Best-first trees over per-position candidates.
 
     anchors int64 [bs]: each request's root token; candidates int64 [bs, D, K]: the drafter's K
     choices at positions 1..D, best first; scores float [bs, D, K]: their log-probabilities,
     non-increasing along K. budgets[b]: drafted nodes of request b (the tree has up to
-    budgets[b] + 1 nodes; fewer when D * K-limited).
+    budgets[b] + 1 nodes; fewer when D * K-limited or where the nodes left have a path
+    probability below `min_prob`, the first node excepted).
     """
     bs, depth_limit, k = candidates.shape
     if anchors.shape != (bs,) or scores.shape != candidates.shape or len(budgets) != bs:
         raise ValueError(f"build_trees: anchors {tuple(anchors.shape)}, candidates {tuple(candidates.shape)}, "
                          f"scores {tuple(scores.shape)} and {len(budgets)} budgets do not describe one batch")
     n = max(budgets) + 1
+    least = math.log(min_prob) if min_prob > 0 else -math.inf  # the lowest path score grown
     # Built as lists, one tensor each at the end: a tree step builds them on its critical path.
     tokens = [[root] + [0] * (n - 1) for root in anchors.tolist()]
     parents = [[-1] * n for _ in range(bs)]
@@ -98,7 +115,7 @@ def build_trees(anchors: torch.Tensor, candidates: torch.Tensor, scores: torch.T
         # Heap entries: (-path score, sum of ranks on the path, depth, rank, parent node).
         frontier = [(-score[b][0][0], 0, 1, 0, 0)] if depth_limit and budgets[b] else []
         path_score = [0.0]  # per node added
-        while frontier and len(path_score) <= budgets[b]:
+        while frontier and len(path_score) <= budgets[b] and (len(path_score) == 1 or -frontier[0][0] >= least):
             neg, rank_sum, depth, rank, parent = heapq.heappop(frontier)
             node = len(path_score)
             path_score.append(-neg)
@@ -110,6 +127,8 @@ def build_trees(anchors: torch.Tensor, candidates: torch.Tensor, scores: torch.T
             if depth < depth_limit:  # the first child: this path, then the best choice one deeper
                 heapq.heappush(frontier, (neg - score[b][depth][0], rank_sum, depth + 1, 0, node))
         sizes.append(len(path_score))
+    n = max(sizes)  # the rows a verify needs: fewer than the budget where no tree filled it
+    tokens, parents, depths, seen = ([row[:n] for row in rows] for rows in (tokens, parents, depths, seen))
     ancestors = [[[bool(mask >> j & 1) for j in range(n)] for mask in row] for row in seen]
     device = candidates.device
     return DraftTrees(*(torch.tensor(t, dtype=torch.int64, device=device) for t in (tokens, parents, depths)), sizes,
