@@ -288,8 +288,8 @@ def main() -> None:
                         help="also run draft trees of each of these many nodes (at most the drafter's B - 1 deep)")
     parser.add_argument("--tree-topk", type=int, default=4, help="choices per position of the trees")
     parser.add_argument("--tree-min-probs", type=float, nargs="+", default=[DEFAULT_TREE_MIN_PROB],
-                        help="run each tree budget once per least path probability (0: trees fill their budget; "
-                             "the adaptive trees take the first)")
+                        help="run each tree budget once per least path probability of greedy trees (0: trees "
+                             "fill their budget, as sampled ones do; the adaptive trees take the first)")
     parser.add_argument("--adaptive-tree-budgets", type=int, nargs="*", default=[],
                         help="also run the adaptive choice among chains up to the drafter's block and trees of up to "
                              "each of these many nodes")

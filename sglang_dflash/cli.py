@@ -52,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "else 0)")
     g.add_argument("--tree-topk", type=int, default=4, metavar="K", help="choices per position of a tree (default 4)")
     g.add_argument("--tree-min-prob", type=float, metavar="P",
-                   help="leave out of a tree the nodes whose path probability (the product of the draft "
+                   help="leave out of a greedy tree the nodes whose path probability (the product of the draft "
                         "probabilities on it) is below P, so an unsure step verifies fewer rows (default: the "
-                        "engine's, DEFAULT_TREE_MIN_PROB in engine/tree.py; 0: every tree fills its budget)")
+                        "engine's, DEFAULT_TREE_MIN_PROB in engine/tree.py; 0: every tree fills its budget; "
+                        "sampled trees always do)")
     g.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                    help="dtype the draft model runs in (int8: int8 weights with a scale per row, bf16 activations, "
                         "half the bytes a CPU draft step reads; default auto: int8 on CPU, else bfloat16; drafts "

@@ -267,8 +267,11 @@ def test_seeded_sampled_tree_output_equals_seeded_plain_output(tiny, temperature
     references = [p + r.output_ids for p, r in zip(PROMPTS, plain, strict=True)]
     for drafter in (CandidateOracle(random_draft(target), target, references, seed=3),
                     DFlashDrafter(random_draft(target), target)):
-        trees = Generator(target, drafter, 8, tree_budget=10, tree_topk=3).generate(PROMPTS, params)
+        # The least path probability bounds greedy trees only: sampled ones fill their budget.
+        trees = Generator(target, drafter, 8, tree_budget=10, tree_topk=3, tree_min_prob=0.99).generate(
+            PROMPTS, params)
         assert [r.output_ids for r in trees] == [r.output_ids for r in plain]
+        assert all(t["nodes"] == 11 for r in trees for t in r.trees)
     assert max(len(t["path"]) for r in trees for t in r.trees) >= 1
 
 

@@ -10,8 +10,8 @@ step's block size is chosen by a `BlockSizeController` (block_size.py). With a `
 step verifies a tree of drafts instead of a chain (tree.py): the drafter's `tree_topk` best tokens
 at each of the first min(B - 1, tree_budget) positions (a tree of n nodes is at most n deep, so it
 drafts a block of at most n + 1, as the served worker does), grown best first to `tree_budget`
-nodes or to the first less likely than `tree_min_prob` (the served worker's trees always fill
-their budget: SGLang's step buffers hold a block of budget + 1), all checked in one target pass
+nodes or, greedy, to the first less likely than `tree_min_prob` (the served worker's trees always
+fill their budget: SGLang's step buffers hold a block of budget + 1), all checked in one target pass
 by `verify_tree`, which commits the longest path the target agrees with. With both, each step is
 a chain of the chosen size or a tree of budget tree_budget, / 2 or / 4, whichever is expected
 to commit the most tokens per second (`ChainOrTreeController`, chain_or_tree.py).
@@ -179,9 +179,9 @@ class Generator:
     """`block_size`: the block of every step, or with `adaptive` the largest one a step may use.
     An adaptive generator keeps what it learned about step times and acceptance across calls.
     `tree_budget` > 0: verify trees of up to that many drafted nodes, `tree_topk` choices per
-    position, at most block_size - 1 deep, none with a path probability below `tree_min_prob`
-    (tree.py), instead of chains; with `adaptive`, such trees of at most that many nodes or chains,
-    step by step."""
+    position, at most block_size - 1 deep, greedy ones without the nodes of a path probability
+    below `tree_min_prob` (tree.py), instead of chains; with `adaptive`, such trees of at most that
+    many nodes or chains, step by step."""
 
     def __init__(self, target: HFTarget, drafter, block_size: int, adaptive: bool = False,
                  tree_budget: int = 0, tree_topk: int = 4, tree_min_prob: float = DEFAULT_TREE_MIN_PROB):
@@ -298,7 +298,8 @@ class Generator:
             if tree_budget:
                 depth = min(B - 1, tree_budget)  # deeper positions cannot hold a node of the tree
                 choices = drafter.propose_candidates(active, anchors, start_t, depth, self.tree_topk, sampling)
-                trees = build_trees(anchors, *choices, [tree_budget] * len(active), self.tree_min_prob)
+                trees = build_trees(anchors, *choices, [tree_budget] * len(active),
+                                    self.tree_min_prob if sampling is None else 0.0)
                 t1 = time.perf_counter()
                 logits, step_taps = target.verify_tree(trees.tokens, start_t[:, None] + trees.depths,
                                                        trees.ancestors(), trees.parents)

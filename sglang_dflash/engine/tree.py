@@ -21,7 +21,11 @@ costs the step a verified row, so it pays only while that probability is above (
 commits) x (a row's share of the step's time). On a 2-core CPU a SmolLM2 row is ~1.4 % of a step
 (0.42 of ~30 ms, bf16) and a tree step commits ~2.5 tokens: ~0.035. Where the draft is sure the
 tree runs deep and narrow, where it is not the step verifies a few rows instead of the budget.
-The tree's first node stays (the chain of 2), so every step still drafts.
+The tree's first node stays (the chain of 2), so every step still drafts. Greedy only: there a
+node's draft probability, given its parent accepted, is about the rate the target accepts it at
+(the shipped drafter on HumanEval: within a few points on the chain, overconfident off it). Sampled trees rank their choices with the verify's own noise, which the
+target then accepts far more often than their probability says: bounded at 0.03 they shrank to
+3.4-4.2 rows and lost to the unbounded ones (bench/results/e2e_smollm2-135m_trees_bf16.json, T = 1).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ MAX_TREE_TOPK = 64  # choices per position
 # without them (bench/results/e2e_smollm2-135m_adaptive_trees_chain_acceptance*.json).
 DEFAULT_TREE_BUDGET = 4
 # Nodes less likely than this (the product of the draft probabilities on their path) are left out
-# of a tree: the module docstring's break-even on this CPU, and bench_e2e's best of the values
-# tried (bench/results/e2e_smollm2-135m_trees_bf16.json). 0 grows every tree to its budget.
+# of a greedy tree: the module docstring's break-even on this CPU; against 0 (every tree grown to
+# its budget) in bench/results/e2e_smollm2-135m_trees_bf16.json.
 DEFAULT_TREE_MIN_PROB = 0.03
 
 
