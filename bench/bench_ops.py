@@ -229,7 +229,8 @@ FMA_PATH_CASES += [("block_attention", s) for s in [
     (9, 300, torch.float32)]]
 AMX_PATH_CASES = [("skinny_linear", s) for s in [
     (1, 1536, 576, 30, torch.bfloat16), (5, 1536, 576, 30, torch.bfloat16), (9, 1536, 576, 30, torch.bfloat16),
-    (16, 1536, 576, 30, torch.bfloat16), (9, 576, 1536, 30, torch.bfloat16), (9, 49152, 576, 1, torch.bfloat16)]]
+    (16, 1536, 576, 30, torch.bfloat16), (24, 1536, 576, 30, torch.bfloat16), (32, 1536, 576, 30, torch.bfloat16),
+    (9, 576, 1536, 30, torch.bfloat16), (9, 49152, 576, 1, torch.bfloat16)]]
 AMX_PATH_CASES += [("w8a8_linear", s) for s in [
     (3, 1536, 576, 9), (5, 1536, 576, 9), (8, 1536, 576, 9), (3, 16384, 576, 1), (5, 16384, 576, 1),
     (8, 16384, 576, 1)]]
