@@ -23,9 +23,10 @@ commits) x (a row's share of the step's time). On a 2-core CPU a SmolLM2 row is 
 tree runs deep and narrow, where it is not the step verifies a few rows instead of the budget.
 The tree's first node stays (the chain of 2), so every step still drafts. Greedy only: there a
 node's draft probability, given its parent accepted, is about the rate the target accepts it at
-(the shipped drafter on HumanEval: within a few points on the chain, overconfident off it). Sampled trees rank their choices with the verify's own noise, which the
-target then accepts far more often than their probability says: bounded at 0.03 they shrank to
-3.4-4.2 rows and lost to the unbounded ones (bench/results/e2e_smollm2-135m_trees_bf16.json, T = 1).
+(the shipped drafter on HumanEval: within a few points on the chain, overconfident off it).
+Sampled trees rank their choices with the verify's own noise, which the target then accepts far
+more often than their probability says: bounded at 0.03 they shrank to 3.4-4.2 rows and lost to
+the unbounded ones (bench/results/e2e_smollm2-135m_trees_bf16.json, T = 1).
 """
 
 from __future__ import annotations
