@@ -39,7 +39,7 @@ import torch
 
 from sglang_dflash.ops.reference import tree_ancestors
 
-MAX_TREE_BUDGET = 256  # drafted nodes per request: the target verifies budget + 1 rows a step
+MAX_TREE_BUDGET = 256  # drafted nodes per request: the target verifies up to budget + 1 rows a step
 MAX_TREE_TOPK = 64  # choices per position
 # Trees of up to this many nodes beside the chains where the block size adapts and no budget is
 # asked (the served worker on CPU, `generate --adaptive`): bench_serving, SmolLM2 + the shipped
