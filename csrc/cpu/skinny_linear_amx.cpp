@@ -53,22 +53,7 @@ constexpr int64_t kPrefetchTilesAhead = 4;  // weight row tiles, into L2 while t
 #define SGLD_TILE_X1 7
 constexpr int kTilesUsed = 8;
 
-// A weight row tile as A operand rows: the weight itself, or for the last tile of an N that is
-// not a multiple of 16, its rows copied into `padded` (zeros below them: no read past the weight).
-struct WeightTile {
-  const c10::BFloat16* rows;
-  int64_t stride;  // elements between rows
-  int64_t count;   // real rows
-};
-
-WeightTile weight_tile(const c10::BFloat16* w, int64_t ldw, int64_t N, int64_t K, int64_t t,
-                       std::vector<c10::BFloat16>& padded) {
-  const int64_t n0 = t * kTile, count = std::min(kTile, N - n0);
-  if (count == kTile) return {w + n0 * ldw, ldw, count};
-  padded.assign(kTile * K, c10::BFloat16(0.0f));
-  for (int64_t r = 0; r < count; ++r) std::memcpy(padded.data() + r * K, w + (n0 + r) * ldw, K * sizeof(c10::BFloat16));
-  return {padded.data(), K, count};
-}
+using WeightTile = WeightRowTile<c10::BFloat16>;
 
 // out rows [m0, m0 + rows) x weight tile t's columns from the accumulator sums[n][m]: plus the
 // K tail in fp32 in k order, plus the bias, one rounding (to nearest even). Without a K tail, 16
@@ -146,9 +131,8 @@ SGLD_AMX_BF16 void row_tiles(const c10::BFloat16* x, const uint32_t* x_tiles, in
   const char* prefetch[2 * kTile];
   for (int64_t t = begin; t < end; t += 2) {
     const bool pair = t + 1 < end;
-    const WeightTile a = weight_tile(w, ldw, N, K, t, padded);
-    // Only the last tile of the weight can be partial, so `padded` serves one tile at a time.
-    const WeightTile b = pair ? weight_tile(w, ldw, N, K, t + 1, padded) : a;
+    const WeightTile a = weight_row_tile(w, ldw, N, K, t, padded);
+    const WeightTile b = pair ? weight_row_tile(w, ldw, N, K, t + 1, padded) : a;
     for (int64_t r = 0; r < 2 * kTile; ++r)  // near the end the last row again, not past the weight
       prefetch[r] = reinterpret_cast<const char*>(w + std::min((t + kPrefetchTilesAhead) * kTile + r, N - 1) * ldw);
     for (int64_t mb = 0; mb < x_row_tiles; mb += 2) {

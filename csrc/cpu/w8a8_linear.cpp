@@ -267,19 +267,6 @@ bool amx_int8_wanted() {
   return wanted;
 }
 
-// Weight rows [16 t, 16 t + 16) as an A operand: the weight itself, or for a last tile of fewer
-// rows, a copy in `padded` with zero rows below (no read past the weight). Returns the row stride.
-const int8_t* weight_rows(const int8_t* w, int64_t ldw, int64_t N, int64_t K, int64_t t, std::vector<int8_t>& padded,
-                          int64_t& stride) {
-  const int64_t n0 = t * kAmxRows, count = std::min(kAmxRows, N - n0);
-  stride = ldw;
-  if (count == kAmxRows) return w + n0 * ldw;
-  padded.assign(kAmxRows * K, 0);
-  for (int64_t r = 0; r < count; ++r) std::memcpy(padded.data() + r * K, w + (n0 + r) * ldw, K);
-  stride = K;
-  return padded.data();
-}
-
 // Weight row tiles [begin, end), two at a time, against every x row tile; sums[n][m] dequantized
 // into out[m, n].
 template <typename O>
@@ -293,20 +280,18 @@ SGLD_AMX_INT8 void row_tiles_int8(const uint32_t* x_tiles, const float* x_scale,
   int32_t sums[2][kAmxRows][kAmxRows];
   for (int64_t t = begin; t < end; t += 2) {
     const bool pair = t + 1 < end;
-    int64_t stride_a = 0, stride_b = 0;
-    const int8_t* a = weight_rows(w, ldw, N, K, t, padded, stride_a);
-    // Only the last tile of the weight can be partial, so `padded` serves one tile at a time.
-    const int8_t* b = pair ? weight_rows(w, ldw, N, K, t + 1, padded, stride_b) : a;
+    const WeightRowTile<int8_t> a = weight_row_tile(w, ldw, N, K, t, padded);
+    const WeightRowTile<int8_t> b = pair ? weight_row_tile(w, ldw, N, K, t + 1, padded) : a;
     for (int64_t mb = 0; mb < x_row_tiles; ++mb) {
       const uint32_t* xt = x_tiles + mb * k_tiles * kXTileWords;
       _tile_zero(SGLD_I8_SUM0);
       _tile_zero(SGLD_I8_SUM1);
       for (int64_t kb = 0; kb < k_tiles; ++kb) {
         _tile_loadd(SGLD_I8_X, xt + kb * kXTileWords, kAmxRowBytes);
-        _tile_loadd(SGLD_I8_WEIGHT0, a + kb * kAmxRowBytes, stride_a);
+        _tile_loadd(SGLD_I8_WEIGHT0, a.rows + kb * kAmxRowBytes, a.stride);
         _tile_dpbssd(SGLD_I8_SUM0, SGLD_I8_WEIGHT0, SGLD_I8_X);
         if (pair) {
-          _tile_loadd(SGLD_I8_WEIGHT1, b + kb * kAmxRowBytes, stride_b);
+          _tile_loadd(SGLD_I8_WEIGHT1, b.rows + kb * kAmxRowBytes, b.stride);
           _tile_dpbssd(SGLD_I8_SUM1, SGLD_I8_WEIGHT1, SGLD_I8_X);
         }
       }
@@ -314,7 +299,7 @@ SGLD_AMX_INT8 void row_tiles_int8(const uint32_t* x_tiles, const float* x_scale,
       if (pair) _tile_stored(SGLD_I8_SUM1, sums[1], kAmxRows * sizeof(int32_t));
       const int64_t m0 = mb * kAmxRows, rows = std::min(kAmxRows, M - m0);
       for (int64_t p = 0; p < (pair ? 2 : 1); ++p) {
-        const int64_t n0 = (t + p) * kAmxRows, count = std::min(kAmxRows, N - n0);
+        const int64_t n0 = (t + p) * kAmxRows, count = (p ? b : a).count;
         for (int64_t m = 0; m < rows; ++m) {
           O* o = out + (m0 + m) * N + n0;
           for (int64_t n = 0; n < count; ++n) {
