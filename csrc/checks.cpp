@@ -554,4 +554,47 @@ void check_rms_norm_rope_positions(const std::optional<at::Tensor>& cos_sin_cach
   }
 }
 
+void check_move_slots_args(at::TensorList buffers, const at::Tensor& src, const at::Tensor& dst) {
+  const char* op = "move_slots";
+  SGLD_CHECK(!buffers.empty(), op, "buffers must hold at least one tensor, got none");
+  check_rank(op, "src", src, 1, "[n]");
+  check_rank(op, "dst", dst, 1, "[n]");
+  check_index_tensor(op, "src", src);
+  check_index_tensor(op, "dst", dst);
+  SGLD_CHECK(src.size(0) == dst.size(0), op, "src and dst must have one length, got shapes ", shape_of(src),
+             " and ", shape_of(dst));
+  for (size_t b = 0; b < buffers.size(); ++b) {
+    const std::string name = "buffers[" + std::to_string(b) + "]";
+    const at::Tensor& t = buffers[b];
+    SGLD_CHECK(t.dim() >= 1, op, name, " must have a slot dimension [S, ...], got a scalar");
+    if (t.dim() > 1) check_rows_of_vectors(op, name.c_str(), t);
+    check_same_device(op, buffers[0], name.c_str(), t);
+  }
+  check_same_device(op, buffers[0], "src", src);
+  check_same_device(op, buffers[0], "dst", dst);
+}
+
+void check_move_slots_indices(at::TensorList buffers, const at::Tensor& src, const at::Tensor& dst) {
+  const char* op = "move_slots";
+  if (src.numel() == 0) return;
+  int64_t slots = buffers[0].size(0);
+  for (const auto& t : buffers) slots = std::min(slots, t.size(0));
+  for (const auto& [name, index] : {std::pair<const char*, const at::Tensor&>{"src", src}, {"dst", dst}}) {
+    if (const auto bad = first_outside(index, 0, slots)) {
+      SGLD_CHECK(false, op, name, "[", bad->index, "] = ", bad->value, " is outside the slots [0, ", slots,
+                 ") of every buffer");
+    }
+  }
+  // Two moves into one slot would leave it holding either: rejected, as cheap here as anywhere.
+  const auto loc = dst.to(at::kLong).contiguous();
+  const int64_t* slot = loc.const_data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> written;  // (slot, i)
+  for (int64_t i = 0; i < loc.numel(); ++i) written.emplace_back(slot[i], i);
+  std::sort(written.begin(), written.end());
+  const auto twice = std::adjacent_find(written.begin(), written.end(),
+                                        [](const auto& a, const auto& b) { return a.first == b.first; });
+  SGLD_CHECK(twice == written.end(), op, "dst[", twice->second, "] and dst[", (twice + 1)->second,
+             "] are both slot ", twice->first, ": each slot may be written once per call");
+}
+
 }  // namespace sglang_dflash

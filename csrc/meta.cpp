@@ -84,6 +84,11 @@ at::Tensor rms_norm_rope_meta(const at::Tensor& x, const at::Tensor& weight, dou
   return at::empty(x.sizes(), x.options());
 }
 
+// Nothing to infer (the op only moves slots in place): FakeTensor runs the argument checks.
+void move_slots_meta(at::TensorList buffers, const at::Tensor& src, const at::Tensor& dst) {
+  check_move_slots_args(buffers, src, dst);
+}
+
 }  // namespace
 }  // namespace sglang_dflash
 
@@ -97,4 +102,5 @@ TORCH_LIBRARY_IMPL(sglang_dflash, Meta, m) {
   m.impl("gumbel_argmax", &sglang_dflash::gumbel_argmax_meta);
   m.impl("materialize_context_kv", &sglang_dflash::materialize_context_kv_meta);
   m.impl("rms_norm_rope", &sglang_dflash::rms_norm_rope_meta);
+  m.impl("move_slots", &sglang_dflash::move_slots_meta);
 }

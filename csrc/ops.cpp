@@ -34,6 +34,7 @@ TORCH_LIBRARY(sglang_dflash, m) {
   m.def(
       "rms_norm_rope(Tensor x, Tensor weight, float eps, Tensor? cos_sin_cache=None, Tensor? positions=None, "
       "bool is_neox=True) -> Tensor");
+  m.def("move_slots(Tensor(a!)[] buffers, Tensor src, Tensor dst) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
@@ -46,6 +47,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
   m.impl("gumbel_argmax", &sglang_dflash::cpu::gumbel_argmax);
   m.impl("materialize_context_kv", &sglang_dflash::cpu::materialize_context_kv);
   m.impl("rms_norm_rope", &sglang_dflash::cpu::rms_norm_rope);
+  m.impl("move_slots", &sglang_dflash::cpu::move_slots);
 }
 
 // Importing sglang_dflash._C runs the registrations above; the module itself has no members.

@@ -214,30 +214,42 @@ def test_bf16_target_trees_and_chains_equal_its_plain_decoding(arch):
                 assert max(len(s) for r in results for s in r.steps) >= 3, "paths of several nodes"
 
 
-def test_skipped_tree_nodes_stay_masked_out_until_one_compaction_drops_them(tiny):
-    """commit_nodes leaves the nodes off the accepted path in the cache, masked out, and compacts
-    once MAX_DEAD_COLUMNS of them pile up: the target's next logits must be those of a plain
-    forward over the committed tokens all along, holes or not."""
+@pytest.mark.parametrize("bs", [1, 2])
+def test_accepted_paths_move_into_place_and_the_rest_is_dropped(tiny, bs):
+    """commit_nodes moves each row's accepted path to the first columns of its block (move_slots)
+    and drops the rest: at batch size 1 at once (no masked-out column ever), in a batch whose rows
+    accept different lengths as masked-out columns until MAX_DEAD_COLUMNS pile up and one compaction
+    drops them. The target's next logits must be those of a plain forward over the committed tokens
+    all along, so every moved K/V must sit at its column with its position's RoPE."""
     target, _ = tiny
     target.set_taps(())
     g = torch.Generator().manual_seed(4)
-    committed = list(PROMPTS[1])
-    target.prefill([committed])
-    # Root, a chain of 3 and siblings; the accepted path 0 -> 2 -> 5 skips nodes 1, 3, 4 and 6.
-    parents = torch.tensor([[-1, 0, 0, 1, 2, 2, 5]])
-    depths = torch.tensor([[0, 1, 1, 2, 2, 2, 3]])
-    ancestors = DraftTrees(parents, parents, depths, [7]).ancestors()
-    path, accept_len = torch.tensor([[0, 2, 5, 5, 5, 5, 5]]), torch.tensor([2])
+    committed = [list(p) for p in PROMPTS[1:1 + bs]]
+    target.prefill(committed)
+    # Root, a chain of 3 and siblings. Row 0 accepts 0 -> 2 -> 5 (skipping 1, 3, 4 and 6: nodes 2 and
+    # 5 move), row 1 accepts 0 -> 1 (in place).
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 2, 5]]).expand(bs, -1)
+    depths = torch.tensor([[0, 1, 1, 2, 2, 2, 3]]).expand(bs, -1)
+    ancestors = DraftTrees(parents, parents, depths, [7] * bs).ancestors()
+    path = torch.tensor([[0, 2, 5, 5, 5, 5, 5], [0, 1, 1, 1, 1, 1, 1]])[:bs]
+    accept_len = torch.tensor([2, 1])[:bs]
+    starts = torch.tensor([len(c) for c in committed])[:, None]
     dead = []
     for _ in range(2 * MAX_DEAD_COLUMNS // 4):
-        tokens = torch.randint(2, TINY_VOCAB, (1, 7), generator=g)
-        logits, _ = target.verify_tree(tokens, len(committed) + depths, ancestors, parents)
-        expected = target.model(torch.tensor([committed + tokens[0, :1].tolist()])).logits[0, -1]
-        torch.testing.assert_close(logits[0], expected, atol=2e-4, rtol=1e-4)
+        tokens = torch.randint(2, TINY_VOCAB, (bs, 7), generator=g)
+        logits, _ = target.verify_tree(tokens, starts + depths, ancestors, parents)
+        for b in range(bs):
+            expected = target.model(torch.tensor([committed[b] + tokens[b, :1].tolist()])).logits[0, -1]
+            torch.testing.assert_close(logits[b * 7], expected, atol=2e-4, rtol=1e-4)
         target.commit_nodes(path, accept_len)
-        committed += tokens[0, [0, 2, 5]].tolist()
-        dead.append(target._valid.shape[1] - int(target._valid.sum()))
-    assert max(dead) < MAX_DEAD_COLUMNS and 0 in dead[1:], dead  # holes pile up, then a compaction
+        for b in range(bs):
+            committed[b] += tokens[b, path[b, :int(accept_len[b]) + 1]].tolist()
+        starts = starts + accept_len[:, None] + 1
+        dead.append(target._valid.shape[1] - int(target._valid.sum(1).max()))  # what compaction checks
+    if bs == 1:
+        assert dead == [0] * len(dead)
+    else:  # holes pile up, then a compaction
+        assert max(dead) < MAX_DEAD_COLUMNS + 7 and max(dead) >= MAX_DEAD_COLUMNS // 2 and 0 in dead[1:], dead
 
 
 def test_the_drafter_gets_the_committed_paths_context(tiny):

@@ -84,4 +84,8 @@ at::Tensor rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, double e
                          const std::optional<at::Tensor>& cos_sin_cache, const std::optional<at::Tensor>& positions,
                          bool is_neox);
 
+// In every buffer [S, ...] (last dimension contiguous), slot dst[i] takes what slot src[i] held,
+// all sources read first (sglang_dflash/ops/__init__.py has the contract).
+void move_slots(at::TensorList buffers, const at::Tensor& src, const at::Tensor& dst);
+
 }  // namespace sglang_dflash::cpu

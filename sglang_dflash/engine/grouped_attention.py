@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
+from sglang_dflash.engine.kv_cache import slot_view
 from sglang_dflash.ops import block_attention, runs_ours
 
 NAME = "sdpa_grouped"
@@ -114,14 +115,10 @@ def _kernel_attention(step: KernelStep, query: torch.Tensor, key: torch.Tensor, 
     capacity + t of a [slots, Hkv, D] view of it. None where the cache is laid out otherwise."""
     bs, heads, q, dim = query.shape
     kv_heads, columns = key.shape[1], key.shape[2]
-    capacity = key.stride(1) // dim
-    layout = (kv_heads * capacity * dim, capacity * dim, dim, 1)
-    if key.stride() != layout or value.stride() != layout or columns != step.width + q:
+    k_cache, v_cache = slot_view(key), slot_view(value)
+    if k_cache is None or v_cache is None or key.stride() != value.stride() or columns != step.width + q:
         return None
-    per_row = kv_heads * capacity  # slots from one batch row to the next
-    slots = ((bs - 1) * per_row + capacity, kv_heads, dim)  # the last row's tokens end the buffer
-    k_cache = key.as_strided(slots, (dim, capacity * dim, 1))
-    v_cache = value.as_strided(slots, (dim, capacity * dim, 1))
+    per_row = key.stride(0) // dim  # slots from one batch row to the next
     table = step.tables.get(per_row)
     if table is None:
         table = step.tables[per_row] = step.context + step.rows[:, None] * per_row

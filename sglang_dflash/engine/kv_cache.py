@@ -70,3 +70,16 @@ class GrowingCache(DynamicCache):
     def __init__(self):
         super().__init__()
         self.layer_class_to_replicate = GrowingLayer
+
+
+def slot_view(t: torch.Tensor) -> torch.Tensor | None:
+    """keys or values [bs, heads, length, D], the leading columns of a [bs, heads, capacity, D]
+    buffer (GrowingLayer's), as a [slots, heads, D] view of that buffer: row b's column c is slot
+    b * heads * capacity + c, the layout our kernels address a KV pool in (block_attention's
+    k_cache, move_slots' buffers). Slots past a row's columns alias other heads' memory: address a
+    row's columns only. None for any other layout."""
+    bs, heads, _, dim = t.shape
+    capacity = t.stride(1) // dim if dim else 0
+    if capacity == 0 or t.stride() != (heads * capacity * dim, capacity * dim, dim, 1):
+        return None
+    return t.as_strided(((bs - 1) * heads * capacity + capacity, heads, dim), (dim, capacity * dim, 1))

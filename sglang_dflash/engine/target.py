@@ -18,14 +18,14 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sglang_dflash.engine import grouped_attention
-from sglang_dflash.engine.kv_cache import GrowingCache
+from sglang_dflash.engine.kv_cache import GrowingCache, slot_view
 from sglang_dflash.engine.packaged import PACKAGED_MODELS, model_dir
 from sglang_dflash.models.skinny import batch_invariant, use_skinny_linear
-from sglang_dflash.ops import self_test
+from sglang_dflash.ops import move_slots, self_test
 
-# Rejected tree nodes left in the cache as masked-out columns before it is compacted (commit_nodes):
-# about one compaction per 20-30 tree steps of 4-8 nodes, and at most this many more columns for
-# each attention to skip meanwhile.
+# Rejected tokens left in a batch's cache as masked-out columns before it is compacted (`commit`,
+# where rows roll back different tails): one compaction per ~20 steps of a few rejected tokens, and
+# at most this many more columns for each attention to skip meanwhile.
 MAX_DEAD_COLUMNS = 64
 # What a target may run in: its linear layers are batch invariant in both (models/skinny.py), so
 # verifying a block computes what decoding it token by token computes. bfloat16 halves the bytes a
@@ -191,37 +191,37 @@ class HFTarget:
         the accepted nodes, in increasing node order); then keep only the batch rows `rows` (all when
         None), as `commit` does.
 
-        The other nodes stay where they are, masked out of every later attention (their columns
-        are invalid; each kept node's K/V already carries its own position's RoPE). Moving the
-        kept nodes together instead costs a gather per layer and K/V tensor: ~1.3 ms of a SmolLM2
-        tree step on 2 cores, where this costs ~0.2 ms. Once MAX_DEAD_COLUMNS masked columns pile
-        up (or rows are dropped), one compaction removes them all."""
+        The kept nodes' K/V move to the first columns of their row's block, in every layer with one
+        `move_slots` call: where decoding the path would have put them. Node path[b, j] sits at depth
+        j, so its K already carries the RoPE of that column's position. The rest is `commit` of
+        accept_len + 1 tokens a row (at batch size 1 a shorter view: no copy, no masked columns)."""
         width, n = self._valid.shape[1], self._block
-        valid = self._valid.clone()
-        valid[:, width - n:] = self._keep_mask(path, accept_len.to(valid.device).long() + 1, n)
-        if rows is not None:
-            valid = valid[rows]
-        if rows is not None or width - int(valid.sum(1).max()) >= MAX_DEAD_COLUMNS:
-            self._compact(valid, rows)
-        else:
-            self._valid = valid
-
-    @staticmethod
-    def _keep_mask(path: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
-        """bool [bs, n]: node j of row b is among path[b, :counts[b]]."""
-        on_path = torch.arange(path.shape[1], device=counts.device)[None] < counts[:, None]
-        nodes = torch.where(on_path, path.to(counts.device).long(), n)  # n: a column past the block
-        keep = torch.zeros(path.shape[0], n + 1, dtype=torch.bool, device=counts.device)
-        keep.scatter_(1, nodes, True)
-        return keep[:, :n]
+        counts = (accept_len.to(torch.int64) + 1).tolist()
+        keys = self._cache.layers[0].keys
+        per_row = keys.stride(0) // keys.shape[3]  # slots from one batch row to the next (slot_view)
+        src, dst = [], []
+        for b, (nodes, count) in enumerate(zip(path.tolist(), counts, strict=True)):
+            block_slot = b * per_row + width - n
+            moved = [j for j in range(1, count) if nodes[j] != j]  # the root stays where it is
+            src += [block_slot + nodes[j] for j in moved]
+            dst += [block_slot + j for j in moved]
+        if src:
+            views = [slot_view(t) for layer in self._cache.layers for t in (layer.keys, layer.values)]
+            move_slots(views, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+        self.commit(torch.tensor(counts, device=self._valid.device), rows)
 
     def commit(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Keep the first keep[b] tokens of the last verified block in row b (rolling back the
-        rest), then keep only the batch rows `rows` (all when None) and re-align the cache."""
+        rest), then keep only the batch rows `rows` (all when None).
+
+        Where every row rolls back the same tail (always so at batch size 1), the cache becomes a
+        shorter view. Otherwise the rejected columns stay where they are, masked out of every later
+        attention (their columns are invalid), until MAX_DEAD_COLUMNS pile up or rows are dropped:
+        then one compaction re-aligns the rows and removes them all (a gather per layer and K/V
+        tensor, ~1.3 ms of a SmolLM2 step on 2 cores, so not every step)."""
         width = self._valid.shape[1]
         drop = self._block - keep
         if rows is None and bool((drop == drop[0]).all()):
-            # Every row rolls back the same tail (always so at batch size 1): cut it off, no copy.
             kept = width - int(drop[0])
             if kept < width:
                 for layer in self._cache.layers:
@@ -233,7 +233,10 @@ class HFTarget:
         valid = self._valid & ~rejected
         if rows is not None:
             valid = valid[rows]
-        self._compact(valid, rows)
+        if rows is not None or width - int(valid.sum(1).max()) >= MAX_DEAD_COLUMNS:
+            self._compact(valid, rows)
+        else:
+            self._valid = valid
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows`, in that order."""

@@ -30,6 +30,7 @@ __all__ = [
     "gumbel_argmax",
     "int8_dot_isa",
     "materialize_context_kv",
+    "move_slots",
     "rms_norm_rope",
     "runs_ours",
     "skinny_linear",
@@ -378,3 +379,21 @@ def materialize_context_kv(
         ctx, list(kv_weights), None if kv_biases is None else list(kv_biases), list(k_norm_weights), float(eps),
         cos_sin_cache, bool(is_neox), positions, out_loc, list(k_caches), list(v_caches), float(v_scale),
     )
+
+
+def move_slots(buffers: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """In every buffer, slot dst[i] takes what slot src[i] held (buffer[dst[i]] = old buffer[src[i]]
+    along the first dimension), every source read before any slot is written, in one call: a tree
+    step moves its accepted path's K/V into consecutive cache slots of every layer with it.
+
+    buffers: tensors [S, ...] of any dtype with a contiguous last dimension (other strides free, so
+    a [slots, heads, D] view of a [bs, heads, capacity, D] cache works), on one device, changed in
+    place; src, dst [n] int32 or int64 within every buffer's slots, no slot twice in dst (each would
+    take either source). Slots not in dst do not change. Bad arguments raise a ValueError naming
+    them. A CPU kernel; elsewhere one indexed copy per buffer (the reference) serves.
+    """
+    buffers = list(buffers)
+    if buffers and buffers[0].device.type not in ("cpu", "meta"):  # no kernel is registered there
+        reference.move_slots(buffers, src, dst)
+        return
+    _impl("move_slots", src.device)(buffers, src, dst)

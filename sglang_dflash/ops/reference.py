@@ -349,3 +349,10 @@ def materialize_context_kv(
         k = torch.cat([rope(k[..., : 2 * half], cos, sin, is_neox), k[..., 2 * half :]], dim=-1)
         k_caches[layer][slots] = k.to(k_caches[layer].dtype)
         v_caches[layer][slots] = (v * v_scale).to(v_caches[layer].dtype)
+
+
+def move_slots(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """buffer[dst[i]] = buffer[src[i]] along the first dimension of every buffer, all sources read
+    first (`buffer[src]` is a copy)."""
+    for buffer in buffers:
+        buffer[dst.long()] = buffer[src.long()]

@@ -48,6 +48,7 @@ from sglang_dflash.engine.tree import (
     chain_depths,
     default_tree_budget,
 )
+from sglang_dflash.ops import move_slots
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +165,8 @@ def move_path_kv(pool, loc: torch.Tensor, path: torch.Tensor, accept_len: torch.
     """Move each request's accepted path into consecutive slots, in every layer of `pool`: the
     K/V of node path[b, j] go from slot loc[b, path[b, j]] to loc[b, j] for j <= accept_len[b].
     loc int [bs, N] (the block's slots), path int64 [bs, N] (verify_tree's: 0, the accepted nodes,
-    then -1). A path node is never before its output position (path[b, j] >= j) and every source is
-    read before any slot is written, so no copy overwrites another's source. Returns the moved
-    rows per layer."""
+    then -1). One `move_slots` call for every layer's K and V: every source is read before any slot
+    is written, so no copy overwrites another's source. Returns the moved rows per layer."""
     cols = torch.arange(path.shape[1], device=path.device)
     moved = (cols[None, :] <= accept_len.to(path.device, torch.int64)[:, None]) & (path != cols[None, :])
     if not bool(moved.any()):
@@ -174,9 +174,9 @@ def move_path_kv(pool, loc: torch.Tensor, path: torch.Tensor, accept_len: torch.
     loc = loc.to(torch.int64)
     src = loc.gather(1, path.clamp(min=0))[moved]
     dst = loc[moved]
-    for layer_id in range(pool.start_layer, pool.start_layer + pool.layer_num):
-        for buffer in (pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)):
-            buffer[dst] = buffer[src]
+    layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+    move_slots([buffer for layer_id in layers for buffer in (pool.get_key_buffer(layer_id),
+                                                             pool.get_value_buffer(layer_id))], src, dst)
     return int(dst.numel())
 
 

@@ -131,4 +131,12 @@ void check_rms_norm_rope_args(const at::Tensor& x, const at::Tensor& weight,
 void check_rms_norm_rope_positions(const std::optional<at::Tensor>& cos_sin_cache,
                                    const std::optional<at::Tensor>& positions);
 
+// move_slots: at least one buffer, each with a slot dimension (dim >= 1) and a contiguous last
+// dimension, all on one device; src and dst 1-D int32 or int64 of one length on that device.
+void check_move_slots_args(at::TensorList buffers, const at::Tensor& src, const at::Tensor& dst);
+
+// Index values of move_slots: src and dst within every buffer's slots, no slot in dst twice. Reads
+// the index tensors, so only for CPU tensors.
+void check_move_slots_indices(at::TensorList buffers, const at::Tensor& src, const at::Tensor& dst);
+
 }  // namespace sglang_dflash
