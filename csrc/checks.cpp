@@ -597,4 +597,14 @@ void check_move_slots_indices(at::TensorList buffers, const at::Tensor& src, con
              "] are both slot ", twice->first, ": each slot may be written once per call");
 }
 
+void check_top_k_logprobs_args(const at::Tensor& logits, int64_t k) {
+  const char* op = "top_k_logprobs";
+  SGLD_CHECK(logits.dim() >= 1, op, "logits must have at least 1 dimension [..., V], got a scalar");
+  SGLD_CHECK(is_float_type(logits.scalar_type()), op, "logits must be float32, bfloat16 or float16, got ",
+             logits.scalar_type());
+  const int64_t vocab = logits.size(-1);
+  SGLD_CHECK(1 <= k && k <= vocab, op, "k must be in [1, V = ", vocab, "] (logits shape ", shape_of(logits),
+             "), got ", k);
+}
+
 }  // namespace sglang_dflash

@@ -89,6 +89,13 @@ void move_slots_meta(at::TensorList buffers, const at::Tensor& src, const at::Te
   check_move_slots_args(buffers, src, dst);
 }
 
+std::tuple<at::Tensor, at::Tensor> top_k_logprobs_meta(const at::Tensor& logits, int64_t k) {
+  check_top_k_logprobs_args(logits, k);
+  auto shape = logits.sizes().vec();
+  shape.back() = k;
+  return {at::empty(shape, logits.options().dtype(at::kFloat)), at::empty(shape, logits.options().dtype(at::kLong))};
+}
+
 }  // namespace
 }  // namespace sglang_dflash
 
@@ -103,4 +110,5 @@ TORCH_LIBRARY_IMPL(sglang_dflash, Meta, m) {
   m.impl("materialize_context_kv", &sglang_dflash::materialize_context_kv_meta);
   m.impl("rms_norm_rope", &sglang_dflash::rms_norm_rope_meta);
   m.impl("move_slots", &sglang_dflash::move_slots_meta);
+  m.impl("top_k_logprobs", &sglang_dflash::top_k_logprobs_meta);
 }

@@ -35,6 +35,7 @@ TORCH_LIBRARY(sglang_dflash, m) {
       "rms_norm_rope(Tensor x, Tensor weight, float eps, Tensor? cos_sin_cache=None, Tensor? positions=None, "
       "bool is_neox=True) -> Tensor");
   m.def("move_slots(Tensor(a!)[] buffers, Tensor src, Tensor dst) -> ()");
+  m.def("top_k_logprobs(Tensor logits, int k) -> (Tensor values, Tensor indices)");
 }
 
 TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
@@ -48,6 +49,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
   m.impl("materialize_context_kv", &sglang_dflash::cpu::materialize_context_kv);
   m.impl("rms_norm_rope", &sglang_dflash::cpu::rms_norm_rope);
   m.impl("move_slots", &sglang_dflash::cpu::move_slots);
+  m.impl("top_k_logprobs", &sglang_dflash::cpu::top_k_logprobs);
 }
 
 // Importing sglang_dflash._C runs the registrations above; the module itself has no members.

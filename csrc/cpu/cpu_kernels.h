@@ -88,4 +88,8 @@ at::Tensor rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, double e
 // all sources read first (sglang_dflash/ops/__init__.py has the contract).
 void move_slots(at::TensorList buffers, const at::Tensor& src, const at::Tensor& dst);
 
+// Per row of logits [..., V]: the k largest, best first (lower index first among equals), as
+// (log-probabilities float32 [..., k], indices int64 [..., k]) (sglang_dflash/ops/__init__.py).
+std::tuple<at::Tensor, at::Tensor> top_k_logprobs(const at::Tensor& logits, int64_t k);
+
 }  // namespace sglang_dflash::cpu

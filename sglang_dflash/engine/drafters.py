@@ -17,7 +17,7 @@ from sglang_dflash.drafters import DRAFT_DTYPES
 from sglang_dflash.engine.target import HFTarget
 from sglang_dflash.models import DFlashDraftModel, load_draft
 from sglang_dflash.models.skinny import quantize_rows
-from sglang_dflash.ops import gumbel_argmax
+from sglang_dflash.ops import gumbel_argmax, top_k_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +119,11 @@ class DFlashDrafter:
         verify samples position d with (as `propose` picks its drafts), so choice 0 is the chain's
         draft; a choice's score is its draft log-probability at the temperature, capped by the
         choice before it so that scores never increase along the choices."""
-        logits = self._draft_logits(reqs, anchors, depth + 1).float()
+        logits = self._draft_logits(reqs, anchors, depth + 1)
         if sampling is None or sampling.temperature <= 0:
-            scores, picks = logits.log_softmax(-1).topk(topk, dim=-1)
+            scores, picks = top_k_logprobs(logits, topk)
         else:
+            logits = logits.float()
             bs = logits.shape[0]
             scaled = logits.reshape(bs * depth, -1) / sampling.temperature
             verify_rows = torch.arange(depth, device=logits.device).repeat(bs)

@@ -34,6 +34,7 @@ __all__ = [
     "rms_norm_rope",
     "runs_ours",
     "skinny_linear",
+    "top_k_logprobs",
     "use_reference",
     "verify_block",
     "verify_block_from_ids",
@@ -397,3 +398,15 @@ def move_slots(buffers: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Te
         reference.move_slots(buffers, src, dst)
         return
     _impl("move_slots", src.device)(buffers, src, dst)
+
+
+def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of logits [..., V] (fp32, bf16 or fp16): its k largest logits, best first, as
+    (log-probabilities float32 [..., k], indices int64 [..., k]), i.e.
+    `logits.float().log_softmax(-1).topk(k)` with equal logits ordered lower index first. The k
+    choices a draft tree takes at each position, in one pass over the row instead of torch's
+    log_softmax then topk. k in [1, V]; a row holding NaN raises a ValueError, as do bad arguments.
+    A CPU kernel; elsewhere the reference serves."""
+    if logits.device.type not in ("cpu", "meta"):  # no kernel is registered there
+        return reference.top_k_logprobs(logits, k)
+    return _impl("top_k_logprobs", logits.device)(logits, int(k))

@@ -356,3 +356,11 @@ def move_slots(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
     first (`buffer[src]` is a copy)."""
     for buffer in buffers:
         buffer[dst.long()] = buffer[src.long()]
+
+
+def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest of each row's log-softmax, best first, equal values in
+    index order (a stable descending sort)."""
+    logprobs = logits.float().log_softmax(-1)
+    values, indices = logprobs.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]

@@ -48,7 +48,7 @@ from sglang_dflash.engine.tree import (
     chain_depths,
     default_tree_budget,
 )
-from sglang_dflash.ops import move_slots
+from sglang_dflash.ops import move_slots, top_k_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class ServedTrees:
         worker, n = self._worker, self._pending
         bs = hidden_states.shape[0] // n
         logits, ids = logits_of(hidden_states)
-        scores, picks = logits.float().log_softmax(-1).topk(min(self.topk, logits.shape[-1]), dim=-1)
+        scores, picks = top_k_logprobs(logits, min(self.topk, logits.shape[-1]))
         picks = picks if ids is None else ids[picks]
         anchors = worker._draft_block_ids_buf[:bs, 0]
         trees = build_trees(anchors.to(torch.int64), picks.view(bs, n, -1), scores.view(bs, n, -1), [n] * bs)

@@ -139,4 +139,7 @@ void check_move_slots_args(at::TensorList buffers, const at::Tensor& src, const 
 // the index tensors, so only for CPU tensors.
 void check_move_slots_indices(at::TensorList buffers, const at::Tensor& src, const at::Tensor& dst);
 
+// top_k_logprobs: logits [..., V] float (fp32, bf16, fp16) with V >= 1, k in [1, V].
+void check_top_k_logprobs_args(const at::Tensor& logits, int64_t k);
+
 }  // namespace sglang_dflash
