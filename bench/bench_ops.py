@@ -396,6 +396,42 @@ def bench_rms_norm_rope(shape, repeats):
                 kernel_GBps=2 * x.nbytes / kernel / 1e9)
 
 
+# (rows, V, k, dtype): a draft tree's positions (an 8-deep tree: 7; two requests: 14) over
+# SmolLM2's vocabulary, top 4 each, as the drafter's head returns them.
+TOP_K_SHAPES = [(7, 49152, 4, torch.bfloat16), (14, 49152, 4, torch.bfloat16), (7, 49152, 8, torch.float32)]
+
+
+def bench_top_k_logprobs(shape, repeats):
+    """Against what a tree step ran before the kernel: torch's log_softmax, then topk."""
+    rows, vocab, k, dtype = shape
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    kernel, torch_ops = paired_median_times(lambda: ops.top_k_logprobs(logits, k),
+                                            lambda: logits.float().log_softmax(-1).topk(k, dim=-1), repeats * 20)
+    return dict(op="top_k_logprobs", rows=rows, V=vocab, k=k, dtype=str(dtype).removeprefix("torch."),
+                baseline="log_softmax + topk", kernel_ms=kernel * 1e3, reference_ms=torch_ops * 1e3,
+                ratio=torch_ops / kernel, kernel_GBps=logits.nbytes / kernel / 1e9)
+
+
+# (layers, capacity, moves): a tree step's accepted path into place in SmolLM2's K and V caches (3
+# kv heads x 64, bf16, one request's buffer of `capacity` columns), a few nodes moved per step.
+MOVE_SHAPES = [(30, 512, 3), (30, 512, 7)]
+
+
+def bench_move_slots(shape, repeats):
+    """Against one indexed copy per buffer (the reference, what a step ran before the kernel)."""
+    layers, capacity, moves = shape
+    gen = torch.Generator().manual_seed(0)
+    buffers = [torch.randn(capacity, 3, 64, generator=gen).bfloat16() for _ in range(2 * layers)]
+    dst = torch.arange(300, 300 + moves)
+    src = dst + torch.arange(1, moves + 1)  # each path node a few columns after its place
+    kernel, indexed = paired_median_times(lambda: ops.move_slots(buffers, src, dst),
+                                          lambda: reference.move_slots(buffers, src, dst), repeats * 20)
+    moved = 2 * 2 * layers * moves * 3 * 64 * 2  # read and written, K and V
+    return dict(op="move_slots", layers=layers, capacity=capacity, moves=moves, dtype="bfloat16",
+                baseline="index copy per buffer", kernel_ms=kernel * 1e3, reference_ms=indexed * 1e3,
+                ratio=indexed / kernel, kernel_GBps=moved / kernel / 1e9)
+
+
 def bench_draft_forward(block_size, repeats):
     """One forward of the shipped drafter (bs 1, 300 context tokens) with its CPU kernels
     (rms_norm_rope) and with the PyTorch ops they replace; the matmuls run skinny_linear in both."""
@@ -486,6 +522,8 @@ def main():
                 jobs += [(paths, c) for c in cases[: 1 if opts.quick else None]]
         jobs += [(bench_w8a8_linear, s) for s in W8A8_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_rms_norm_rope, s) for s in NORM_SHAPES[: 1 if opts.quick else None]]
+        jobs += [(bench_top_k_logprobs, s) for s in TOP_K_SHAPES[: 1 if opts.quick else None]]
+        jobs += [(bench_move_slots, s) for s in MOVE_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_draft_forward, b) for b in [2, 4, 8][: 1 if opts.quick else None]]
         verify_shapes = [(2, 300, torch.float32), (4, 300, torch.float32), (9, 300, torch.float32),
                          (4, 1500, torch.float32), (1, 300, torch.bfloat16), (9, 300, torch.bfloat16)]

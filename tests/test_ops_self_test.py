@@ -28,6 +28,8 @@ CASES = {
     "skinny_linear": [torch.float32, torch.bfloat16, torch.float16],
     "rms_norm_rope": [torch.float32, torch.bfloat16, torch.float16],
     "w8a8_linear": [torch.float32, torch.bfloat16, torch.float16],
+    "move_slots": [torch.float32, torch.bfloat16, torch.float16],
+    "top_k_logprobs": [torch.float32, torch.bfloat16, torch.float16],
 }
 
 
@@ -50,6 +52,8 @@ def _break(monkeypatch, op, how):
         out = kernel(*args)
         if op == "materialize_context_kv":
             args[10][0].zero_()  # the first layer's v pool overwritten
+        elif op == "move_slots":
+            args[0][0].zero_()  # the first buffer overwritten
         elif isinstance(out, tuple):  # verify: one bonus token off
             out[1][0] += 1
         elif out.dtype == torch.int64:  # gumbel_argmax: one pick off
@@ -70,7 +74,8 @@ def test_kernels_pass_their_self_test(fresh, op):
 def test_engine_plan_passes_on_the_cpu(fresh):
     plan = self_test.engine_plan(9, 3, 64, torch.bfloat16, CPU)
     assert set(plan) == {"verify_block", "verify_tree_from_ids", "gumbel_argmax", "block_attention",
-                         "materialize_context_kv", "skinny_linear", "rms_norm_rope", "w8a8_linear"}
+                         "materialize_context_kv", "skinny_linear", "rms_norm_rope", "w8a8_linear", "move_slots",
+                         "top_k_logprobs"}
     assert plan["verify_block"] == [torch.float32, torch.bfloat16]
     assert self_test.select(CPU, plan, fallback="PyTorch") == set(plan)
     assert not ops._REFERENCE_ON
@@ -118,6 +123,22 @@ def test_fallback_results_equal_the_reference(fresh, monkeypatch):
 
     attn = make_attention_inputs(2, 4, 4, 2, 64, [10, 30], torch.float32, seed=2)
     assert torch.equal(ops.block_attention(**attn, block_size=4), reference.block_attention(**attn, block_size=4))
+
+
+def test_tree_step_ops_fall_back_to_the_reference(fresh, monkeypatch):
+    """move_slots and top_k_logprobs (a tree step's) after a failed self-test: the reference's results."""
+    for op in ("move_slots", "top_k_logprobs"):
+        _break(monkeypatch, op, "wrong")
+    assert self_test.select(CPU, {op: CASES[op][:1] for op in ("move_slots", "top_k_logprobs")},
+                            fallback="PyTorch") == set()
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(6))
+    for got, want in zip(ops.top_k_logprobs(logits, 4), reference.top_k_logprobs(logits, 4), strict=True):
+        assert torch.equal(got, want)
+    buffers = [torch.randn(8, 4) for _ in range(2)]
+    want = [b.clone() for b in buffers]
+    reference.move_slots(want, torch.tensor([3, 1]), torch.tensor([1, 0]))
+    ops.move_slots(buffers, torch.tensor([3, 1]), torch.tensor([1, 0]))
+    assert all(torch.equal(b, w) for b, w in zip(buffers, want, strict=True))
 
 
 def test_skinny_linear_falls_back_to_torch_linear(fresh, monkeypatch):

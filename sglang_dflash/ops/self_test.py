@@ -257,6 +257,31 @@ def _rms_norm_rope(device: torch.device, dtype: torch.dtype) -> str | None:
     return _close(got, reference.rms_norm_rope(rows, weight, 1e-6), TOLERANCE[dtype])
 
 
+def _move_slots(device: torch.device, dtype: torch.dtype) -> str | None:
+    """A [slots, heads, D] pool and the slot view of a [bs, heads, capacity, D] cache (strided), moves
+    that read slots other moves write."""
+    gen = torch.Generator().manual_seed(6)
+    pool = torch.randn(40, 3, 64, generator=gen).to(dtype)
+    cache = torch.randn(2, 3, 16, 64, generator=gen).to(dtype)
+    src, dst = torch.tensor([5, 9, 2, 7]), torch.tensor([2, 5, 9, 1])
+    want = [pool.clone(), cache.clone()]
+    reference.move_slots([want[0], want[1].as_strided((3 * 16 + 16, 3, 64), (64, 16 * 64, 1))], src, dst)
+    got = [pool.to(device), cache.to(device)]
+    _kernel("move_slots")([got[0], got[1].as_strided((3 * 16 + 16, 3, 64), (64, 16 * 64, 1))], src.to(device),
+                          dst.to(device))
+    return _exact(got, want)
+
+
+def _top_k_logprobs(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Rows of a draft vocabulary's size with equal logits (lower index first)."""
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(5, 4099, generator=gen) * 3).to(dtype)
+    logits[2, 100:110] = logits[2].max()
+    want_values, want_ids = reference.top_k_logprobs(logits, 8)
+    values, ids = _kernel("top_k_logprobs")(logits.to(device), 8)
+    return _exact([ids], [want_ids]) or _close(values, want_values, 1e-5)
+
+
 CHECKS: dict[str, Callable[[torch.device, Any], str | None]] = {
     "verify_block": _verify_block,  # cases: logits dtypes
     "verify_block_from_ids": _verify_block_from_ids,  # cases: id dtypes
@@ -267,6 +292,8 @@ CHECKS: dict[str, Callable[[torch.device, Any], str | None]] = {
     "skinny_linear": _skinny_linear,  # cases: dtypes (a CPU kernel)
     "rms_norm_rope": _rms_norm_rope,  # cases: dtypes (a CPU kernel)
     "w8a8_linear": _w8a8_linear,  # cases: dtypes (a CPU kernel)
+    "move_slots": _move_slots,  # cases: dtypes (a CPU kernel)
+    "top_k_logprobs": _top_k_logprobs,  # cases: dtypes (a CPU kernel)
 }
 _RESULTS: dict[tuple[str, torch.device, Any], str | None] = {}
 
@@ -325,7 +352,7 @@ def engine_plan(q_heads: int, kv_heads: int, head_dim: int, logits_dtype: torch.
     (built after the target; DFlash drafters share the target's head layout, not always its dtype,
     so every float dtype) over full blocks and causal windowed small ones, and on the CPU the
     drafter's context K/V through materialize_context_kv and skinny_linear and rms_norm_rope in
-    every float dtype."""
+    every float dtype, and a tree step's move_slots (the target's dtype) and top_k_logprobs."""
     attention = [Attention(q_heads, kv_heads, head_dim, dtype, 16) for dtype in FLOATS]
     attention += [Attention(q_heads, kv_heads, head_dim, dtype, 4, window=64, causal_block=True) for dtype in FLOATS]
     plan = {
@@ -340,4 +367,6 @@ def engine_plan(q_heads: int, kv_heads: int, head_dim: int, logits_dtype: torch.
         plan["skinny_linear"] = list(FLOATS)
         plan["rms_norm_rope"] = list(FLOATS)
         plan["w8a8_linear"] = list(FLOATS)
+        plan["move_slots"] = [logits_dtype]  # the target's cache (trees)
+        plan["top_k_logprobs"] = list(FLOATS)  # the draft logits (trees)
     return plan
