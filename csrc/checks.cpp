@@ -243,30 +243,72 @@ VerifyShape check_verify_ids_args(const at::Tensor& candidates, const at::Tensor
   return {batch, block_size, 0};
 }
 
-VerifyShape check_verify_args(const at::Tensor& candidates, const at::Tensor& logits,
-                              const at::Tensor& temperature, const at::Tensor& top_k,
-                              const at::Tensor& top_p, const at::Tensor& offsets) {
-  const char* op = "verify_block";
-  const auto [batch, block_size] = check_candidates(op, candidates);
-  check_rank(op, "logits", logits, 2, "[bs * B, V]");
+namespace {
+
+// logits [rows, V] (one row per candidate / node of `drafts`, the tensor named `source`) and the
+// per-request sampling arguments [bs] of verify_block and verify_tree.
+void check_logits_and_sampling(const char* op, const char* source, const at::Tensor& drafts, int64_t batch,
+                               int64_t rows, const char* rows_meaning, const at::Tensor& logits,
+                               const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                               const at::Tensor& offsets) {
+  const std::string bs_meaning = std::string("bs from ") + source;
+  check_rank(op, "logits", logits, 2, rows_meaning);
   SGLD_CHECK(is_float_type(logits.scalar_type()), op,
              "logits must be float32, bfloat16 or float16, got ", logits.scalar_type());
-  check_size(op, "logits", logits, 0, batch * block_size, "bs * B from candidates");
+  check_size(op, "logits", logits, 0, rows, rows_meaning);
   SGLD_CHECK(logits.size(1) >= 1, op, "logits must have a vocabulary of at least 1, got shape ",
              shape_of(logits));
   check_rows_of_vectors(op, "logits", logits);
-  check_same_device(op, candidates, "logits", logits);
+  check_same_device(op, drafts, "logits", logits);
   for (auto [name, t, dtype] :
        {std::tuple<const char*, const at::Tensor*, at::ScalarType>{"temperature", &temperature, at::kFloat},
         {"top_k", &top_k, at::kInt},
         {"top_p", &top_p, at::kFloat},
         {"offsets", &offsets, at::kLong}}) {
     check_rank(op, name, *t, 1, "[bs]");
-    check_size(op, name, *t, 0, batch, "bs from candidates");
+    check_size(op, name, *t, 0, batch, bs_meaning.c_str());
     check_dtype(op, name, *t, dtype);
-    check_same_device(op, candidates, name, *t);
+    check_same_device(op, drafts, name, *t);
   }
+}
+
+// tokens [bs, N] int64 (N >= 1: the root), parents [bs, N] int32 or int64, depths [bs, N] int64.
+TreeShape check_tree(const char* op, const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depths) {
+  check_rank(op, "tokens", tokens, 2, "[bs, N]");
+  check_dtype(op, "tokens", tokens, at::kLong);
+  SGLD_CHECK(tokens.size(1) >= 1, op, "tokens must have at least one column (the root), got shape ",
+             shape_of(tokens));
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"parents", &parents}, {"depths", &depths}}) {
+    SGLD_CHECK(t->sizes() == tokens.sizes(), op, name, " must have tokens' shape [bs, N] = ", shape_of(tokens),
+               ", got shape ", shape_of(*t));
+    check_same_device(op, tokens, name, *t);
+  }
+  check_index_tensor(op, "parents", parents);
+  check_dtype(op, "depths", depths, at::kLong);
+  return {tokens.size(0), tokens.size(1)};
+}
+
+}  // namespace
+
+VerifyShape check_verify_args(const at::Tensor& candidates, const at::Tensor& logits,
+                              const at::Tensor& temperature, const at::Tensor& top_k,
+                              const at::Tensor& top_p, const at::Tensor& offsets) {
+  const char* op = "verify_block";
+  const auto [batch, block_size] = check_candidates(op, candidates);
+  check_logits_and_sampling(op, "candidates", candidates, batch, batch * block_size, "bs * B from candidates", logits,
+                            temperature, top_k, top_p, offsets);
   return {batch, block_size, logits.size(1)};
+}
+
+TreeShape check_verify_tree_sampling_args(const at::Tensor& tokens, const at::Tensor& parents,
+                                          const at::Tensor& depths, const at::Tensor& logits,
+                                          const at::Tensor& temperature, const at::Tensor& top_k,
+                                          const at::Tensor& top_p, const at::Tensor& offsets) {
+  const char* op = "verify_tree";
+  const auto shape = check_tree(op, tokens, parents, depths);
+  check_logits_and_sampling(op, "tokens", tokens, shape.batch, shape.batch * shape.nodes, "bs * N from tokens",
+                            logits, temperature, top_k, top_p, offsets);
+  return shape;
 }
 
 void check_verify_values(const at::Tensor& candidates, int64_t vocab) {
@@ -276,21 +318,17 @@ void check_verify_values(const at::Tensor& candidates, int64_t vocab) {
   }
 }
 
+void check_verify_tree_tokens(const at::Tensor& tokens, int64_t vocab) {
+  if (const auto bad = first_outside(tokens, 0, vocab)) {
+    const int64_t cols = tokens.size(1);
+    fail_index(IndexCheck::kTreeToken, bad->index / cols, bad->index % cols, bad->value, vocab);
+  }
+}
+
 TreeShape check_verify_tree_args(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depths,
                                  const at::Tensor& target_ids) {
   const char* op = "verify_tree_from_ids";
-  check_rank(op, "tokens", tokens, 2, "[bs, N]");
-  check_dtype(op, "tokens", tokens, at::kLong);
-  SGLD_CHECK(tokens.size(1) >= 1, op, "tokens must have at least one column (the root), got shape ",
-             shape_of(tokens));
-  const int64_t batch = tokens.size(0), nodes = tokens.size(1);
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"parents", &parents}, {"depths", &depths}}) {
-    SGLD_CHECK(t->sizes() == tokens.sizes(), op, name, " must have tokens' shape [bs, N] = ", shape_of(tokens),
-               ", got shape ", shape_of(*t));
-    check_same_device(op, tokens, name, *t);
-  }
-  check_index_tensor(op, "parents", parents);
-  check_dtype(op, "depths", depths, at::kLong);
+  const auto [batch, nodes] = check_tree(op, tokens, parents, depths);
   check_index_tensor(op, "target_ids", target_ids);
   check_same_device(op, tokens, "target_ids", target_ids);
   SGLD_CHECK(target_ids.numel() == batch * nodes &&

@@ -40,14 +40,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_from_ids_meta(
   return verify_results(check_verify_ids_args(candidates, target_ids), candidates);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_results(const TreeShape& shape, const at::Tensor& tokens) {
+  const auto opts = tokens.options();
+  return {at::empty({shape.batch}, opts.dtype(at::kInt)), at::empty({shape.batch, shape.nodes}, opts),
+          at::empty({shape.batch, shape.nodes}, opts)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_from_ids_meta(const at::Tensor& tokens,
                                                                          const at::Tensor& parents,
                                                                          const at::Tensor& depths,
                                                                          const at::Tensor& target_ids) {
-  const auto shape = check_verify_tree_args(tokens, parents, depths, target_ids);
-  const auto opts = tokens.options();
-  return {at::empty({shape.batch}, opts.dtype(at::kInt)), at::empty({shape.batch, shape.nodes}, opts),
-          at::empty({shape.batch, shape.nodes}, opts)};
+  return tree_results(check_verify_tree_args(tokens, parents, depths, target_ids), tokens);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_meta(const at::Tensor& tokens, const at::Tensor& parents,
+                                                                const at::Tensor& depths, const at::Tensor& logits,
+                                                                const at::Tensor& temperature, const at::Tensor& top_k,
+                                                                const at::Tensor& top_p, int64_t /*seed*/,
+                                                                const at::Tensor& offsets) {
+  return tree_results(
+      check_verify_tree_sampling_args(tokens, parents, depths, logits, temperature, top_k, top_p, offsets), tokens);
 }
 
 at::Tensor skinny_linear_meta(const at::Tensor& x, const at::Tensor& weight,
@@ -104,6 +116,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, Meta, m) {
   m.impl("verify_block", &sglang_dflash::verify_block_meta);
   m.impl("verify_block_from_ids", &sglang_dflash::verify_block_from_ids_meta);
   m.impl("verify_tree_from_ids", &sglang_dflash::verify_tree_from_ids_meta);
+  m.impl("verify_tree", &sglang_dflash::verify_tree_meta);
   m.impl("skinny_linear", &sglang_dflash::skinny_linear_meta);
   m.impl("w8a8_linear", &sglang_dflash::w8a8_linear_meta);
   m.impl("gumbel_argmax", &sglang_dflash::gumbel_argmax_meta);

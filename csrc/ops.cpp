@@ -21,6 +21,9 @@ TORCH_LIBRARY(sglang_dflash, m) {
   m.def(
       "verify_tree_from_ids(Tensor tokens, Tensor parents, Tensor depths, Tensor target_ids) -> "
       "(Tensor accept_len, Tensor path, Tensor out_tokens)");
+  m.def(
+      "verify_tree(Tensor tokens, Tensor parents, Tensor depths, Tensor logits, Tensor temperature, Tensor top_k, "
+      "Tensor top_p, int seed, Tensor offsets) -> (Tensor accept_len, Tensor path, Tensor out_tokens)");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? weight_scale=None) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias=None) -> Tensor");
   m.def("int8_dot_isa() -> str", &sglang_dflash::cpu::int8_dot_isa);
@@ -43,6 +46,7 @@ TORCH_LIBRARY_IMPL(sglang_dflash, CPU, m) {
   m.impl("verify_block", &sglang_dflash::cpu::verify_block);
   m.impl("verify_block_from_ids", &sglang_dflash::cpu::verify_block_from_ids);
   m.impl("verify_tree_from_ids", &sglang_dflash::cpu::verify_tree_from_ids);
+  m.impl("verify_tree", &sglang_dflash::cpu::verify_tree);
   m.impl("skinny_linear", &sglang_dflash::cpu::skinny_linear);
   m.impl("w8a8_linear", &sglang_dflash::cpu::w8a8_linear);
   m.impl("gumbel_argmax", &sglang_dflash::cpu::gumbel_argmax);

@@ -195,6 +195,25 @@ def test_sampled_trees_match_reference(temperature, top_k, top_p, dtype):
     assert accepted >= 5  # the kernels' samples were compared, not just rejections
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bs,nodes", [(1, 9), (3, 16), (5, 40)])
+def test_cpu_kernel_equals_sampling_every_node(temperature, top_k, top_p, dtype, bs, nodes):
+    """The CPU kernel samples only the nodes its walk reaches; GPUs sample every node with
+    verify_block, then walk (verify_tree_by_nodes): the same results, bit for bit."""
+    for seed in range(2):
+        case = sampled_tree_case(temperature, top_k, top_p, dtype, bs=bs, nodes=nodes, seed=seed)
+        _assert_equal(ops.verify_tree(**case), ops.verify_tree_by_nodes(**case))
+
+
+def test_a_token_outside_the_vocabulary_is_named():
+    case = sampled_tree_case(0.0, 0, 1.0, torch.float32, bs=2, nodes=5, vocab=10, seed=1)
+    case["tokens"][1, 3] = 10
+    with pytest.raises(ValueError, match=r"^sglang_dflash.verify_tree: tokens\[1, 3\] = 10 is outside the "
+                                         r"vocabulary \[0, 10\) of logits$"):
+        ops.verify_tree(**case)
+
+
 def test_mixed_batch_and_int32_parents():
     case = sampled_tree_case(1.0, 0, 1.0, torch.float32, bs=4, nodes=12, seed=9)
     case.update(temperature=torch.tensor([0.0, 1.0, 0.6, -1.0]), top_k=torch.tensor([0, 10, 3, 0], dtype=torch.int32),

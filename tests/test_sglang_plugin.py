@@ -710,7 +710,7 @@ def test_self_test_switches_on_every_op_that_passes(fresh_kernels, monkeypatch, 
         w, layer, pool, fb, q = _self_tested_worker(monkeypatch)
     assert not caplog.records
     assert w._dflash_ops == {"verify_block", "verify_block_from_ids", "block_attention", "skinny_linear",
-                            "rms_norm_rope", "w8a8_linear", "move_slots", "top_k_logprobs"}
+                            "rms_norm_rope", "w8a8_linear", "verify_tree", "move_slots", "top_k_logprobs"}
     assert getattr(layer, _ORIGINAL, None) is not None  # the draft layer runs block_attention
     assert covers(layer, fb, q, pool.get_key_buffer(0))
     # The draft layer's own configuration was tested: its heads, pool dtype, mask, B and 1.
@@ -729,7 +729,7 @@ def test_a_failed_attention_self_test_gives_attention_to_sglang(fresh_kernels, m
     assert "raised RuntimeError: CUDA error: no kernel image is available" in warnings[0]
     assert warnings[0].endswith("; block_attention runs SGLang's own path there")
     assert w._dflash_ops == {"verify_block", "verify_block_from_ids", "skinny_linear", "rms_norm_rope",
-                            "w8a8_linear", "move_slots", "top_k_logprobs"}
+                            "w8a8_linear", "verify_tree", "move_slots", "top_k_logprobs"}
     assert getattr(layer, _ORIGINAL, None) is None  # SGLang's attention backend
     assert not covers(layer, fb, q, pool.get_key_buffer(0))  # nor through SGLang's CPU-engine hooks
 

@@ -38,6 +38,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_from_ids(const at::Te
                                                                     const at::Tensor& depths,
                                                                     const at::Tensor& target_ids);
 
+// Tree verification with the target's tokens sampled lazily from its logits, only for the nodes
+// the walk reaches (the contract is ops.verify_tree's): accept_len i32 [bs], path and out_tokens
+// i64 [bs, N], equal to verify_block on every node then verify_tree_from_ids.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree(const at::Tensor& tokens, const at::Tensor& parents,
+                                                        const at::Tensor& depths, const at::Tensor& logits,
+                                                        const at::Tensor& temperature, const at::Tensor& top_k,
+                                                        const at::Tensor& top_p, int64_t seed,
+                                                        const at::Tensor& offsets);
+
 // out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation, for few rows; an
 // int8 weight's sums are multiplied by weight_scale [N] (one scale per weight row) before the bias.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,

@@ -209,6 +209,26 @@ int64_t sample_row(const float* src, float* x, float* e, int64_t n, uint32_t row
   return search.best_id;
 }
 
+// The target's token of one row of logits `src` (vocab values): greedy (the lowest index of the
+// maximum) where temperature <= 0, else sample_row's Gumbel-max sample under `params` and `row`.
+// x and e are scratch rows of vocab floats.
+template <typename scalar_t>
+int64_t target_token(const scalar_t* src, int64_t vocab, const SamplingParams& params, uint32_t row, float* x,
+                     float* e) {
+  const float* values;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    values = src;
+  } else {
+    for (int64_t v = 0; v < vocab; ++v) x[v] = static_cast<float>(src[v]);
+    values = x;
+  }
+  if (params.temperature <= 0.0f) return row_argmax(values, vocab);
+  return sample_row(values, x, e, vocab, row, params);
+}
+
+// Scratch rows are left uninitialized: pages nothing touches (greedy fp32 rows) cost nothing.
+std::unique_ptr<float[]> scratch_row(int64_t vocab) { return std::make_unique_for_overwrite<float[]>(vocab); }
+
 template <typename scalar_t>
 void verify_kernel(const at::Tensor& candidates, const at::Tensor& logits,
                    const at::Tensor& temperature, const at::Tensor& top_k,
@@ -225,17 +245,8 @@ void verify_kernel(const at::Tensor& candidates, const at::Tensor& logits,
 
   // The target's token of row i of request b; x and e are scratch rows.
   auto row_token = [&](int64_t b, int i, float* x, float* e) -> int64_t {
-    const scalar_t* src = logit_ptr + (b * block + i) * row_stride;
-    const float* row;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      row = src;
-    } else {
-      for (int64_t v = 0; v < vocab; ++v) x[v] = static_cast<float>(src[v]);
-      row = x;
-    }
-    if (temp[b] <= 0.0f) return row_argmax(row, vocab);
     const SamplingParams params{temp[b], topk[b], topp[b], seed, static_cast<uint64_t>(offset[b])};
-    return sample_row(row, x, e, vocab, static_cast<uint32_t>(i), params);
+    return target_token(logit_ptr + (b * block + i) * row_stride, vocab, params, static_cast<uint32_t>(i), x, e);
   };
   auto accept = [&](int64_t b, auto target) {
     bonus.data_ptr<int64_t>()[b] = accept_block(cand + b * block, static_cast<int>(block), target,
@@ -243,8 +254,7 @@ void verify_kernel(const at::Tensor& candidates, const at::Tensor& logits,
                                                 accept_len.data_ptr<int32_t>() + b);
   };
 
-  // Scratch rows are left uninitialized: pages nothing touches (greedy fp32 rows) cost nothing.
-  auto scratch = [vocab] { return std::make_unique_for_overwrite<float[]>(vocab); };
+  auto scratch = [vocab] { return scratch_row(vocab); };
   const int threads = at::get_num_threads();
   if (batch >= threads) {  // one task per request
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
@@ -276,6 +286,39 @@ void verify_kernel(const at::Tensor& candidates, const at::Tensor& logits,
       return tokens[i];
     });
   }
+}
+
+// Tree verification (DESIGN.md 3.3): each request's walk (accept.h, accept_tree) asks for the
+// target's token of the nodes it reaches only, the root and the accepted path, so the logits of the
+// other nodes are never read. Node i of request b is sampled as verify_block samples a one-row
+// block at offset offsets[b] + depths[b, i] (ops.verify_tree's contract): one task per request.
+template <typename scalar_t>
+void verify_tree_kernel(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depths,
+                        const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                        const at::Tensor& top_p, uint64_t seed, const at::Tensor& offsets, at::Tensor& accept_len,
+                        at::Tensor& path, at::Tensor& out_tokens) {
+  const int64_t batch = tokens.size(0), n = tokens.size(1), vocab = logits.size(1);
+  const scalar_t* logit_ptr = logits.data_ptr<scalar_t>();
+  const int64_t row_stride = logits.stride(0);
+  const float* temp = temperature.data_ptr<float>();
+  const int32_t* topk = top_k.data_ptr<int32_t>();
+  const float* topp = top_p.data_ptr<float>();
+  const int64_t* offset = offsets.data_ptr<int64_t>();
+  const int64_t* depth = depths.data_ptr<int64_t>();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    const auto x = scratch_row(vocab), e = scratch_row(vocab);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t* parent = parents.const_data_ptr<int64_t>() + b * n;
+      auto target = [&](int64_t i) {
+        const SamplingParams params{temp[b], topk[b], topp[b], seed,
+                                    static_cast<uint64_t>(offset[b] + depth[b * n + i])};
+        return target_token(logit_ptr + (b * n + i) * row_stride, vocab, params, 0, x.get(), e.get());
+      };
+      accept_len.data_ptr<int32_t>()[b] =
+          accept_tree(tokens.const_data_ptr<int64_t>() + b * n, [parent](int64_t i) { return parent[i]; }, n,
+                      target, path.data_ptr<int64_t>() + b * n, out_tokens.data_ptr<int64_t>() + b * n);
+    }
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_results(const at::Tensor& candidates) {
@@ -317,6 +360,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_from_ids(const at::T
         out_tokens.data_ptr<int64_t>() + b * block, accept_len.data_ptr<int32_t>() + b);
   }
   return {accept_len, bonus, out_tokens};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree(const at::Tensor& tokens_in, const at::Tensor& parents_in,
+                                                        const at::Tensor& depths_in, const at::Tensor& logits,
+                                                        const at::Tensor& temperature, const at::Tensor& top_k,
+                                                        const at::Tensor& top_p, int64_t seed,
+                                                        const at::Tensor& offsets) {
+  const auto shape = check_verify_tree_sampling_args(tokens_in, parents_in, depths_in, logits, temperature, top_k,
+                                                     top_p, offsets);
+  check_verify_tree_tokens(tokens_in, logits.size(1));
+  const auto parents = parents_in.to(at::kLong).contiguous();
+  const auto depths = depths_in.contiguous();
+  check_verify_tree_values(parents, depths);
+  const auto tokens = tokens_in.contiguous();
+  const auto opts = tokens.options();
+  auto accept_len = at::empty({shape.batch}, opts.dtype(at::kInt));
+  auto path = at::empty({shape.batch, shape.nodes}, opts);
+  auto out_tokens = at::empty({shape.batch, shape.nodes}, opts);
+  SGLD_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "verify_tree", [&] {
+    verify_tree_kernel<scalar_t>(tokens, parents, depths, logits, temperature.contiguous(), top_k.contiguous(),
+                                 top_p.contiguous(), static_cast<uint64_t>(seed), offsets.contiguous(), accept_len,
+                                 path, out_tokens);
+  });
+  return {accept_len, path, out_tokens};
 }
 
 }  // namespace sglang_dflash::cpu

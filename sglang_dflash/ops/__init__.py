@@ -203,11 +203,22 @@ def verify_tree(
     depths[b, i], greedy (argmax, lowest id on ties) where temperature <= 0. The token after a node
     of depth d is the step's output token d in any tree (as after row d of a block), so every path
     draws the samples plain decoding draws at its positions and seeded output does not depend on the
-    tree. Every token, padding included, must be a vocabulary id (verify_block checks them, as
-    candidates[b*N + i, 0]).
+    tree. Every token, padding included, must be a vocabulary id. On CPU one kernel walks each tree
+    and samples only the nodes it reaches (the root and the accepted path: their logits alone are
+    read); elsewhere `verify_block` samples every node (its errors name a node b*N + i as
+    candidates[b*N + i, 0]), then `verify_tree_from_ids` walks.
     """
     _check_tree_shapes(tokens, parents, depths, logits, temperature=temperature, top_k=top_k, top_p=top_p,
                        offsets=offsets)
+    if tokens.device.type == "cpu":  # one kernel that samples only the nodes the walk reaches
+        return _impl("verify_tree", tokens.device)(tokens, parents, depths, logits, temperature, top_k, top_p,
+                                                    int(seed), offsets)
+    return verify_tree_by_nodes(tokens, parents, depths, logits, temperature, top_k, top_p, seed, offsets)
+
+
+def verify_tree_by_nodes(tokens, parents, depths, logits, temperature, top_k, top_p, seed, offsets):
+    """`verify_tree` on any device: every node sampled by `verify_block` as a one-row block, then
+    `verify_tree_from_ids` (what GPUs run; the CPU kernel gives the same results)."""
     n = tokens.shape[1]
     # Each node as a one-row block: its bonus is the target's token after the node.
     _, node_targets, _ = verify_block(

@@ -152,6 +152,24 @@ def _verify_tree_from_ids(device: torch.device, index_dtype: torch.dtype) -> str
     return _exact(_kernel("verify_tree_from_ids")(*(t.to(device) for t in args)), want)
 
 
+def _verify_tree(device: torch.device, logits_dtype: torch.dtype) -> str | None:
+    """Trees whose drafts often follow the target's samples, greedy, sampled, top-k and top-p in
+    one batch (a CPU kernel: elsewhere verify_block samples every node)."""
+    gen = torch.Generator().manual_seed(8)
+    bs, nodes, vocab, seed = 4, 12, 500, 99
+    tokens, parents, depths = make_tree(bs, nodes, vocab, gen)
+    logits = (torch.randn(bs * nodes, vocab, generator=gen) * 3).to(logits_dtype)
+    sampling = (torch.tensor([0.0, 1.0, 0.7, 1.2]), torch.tensor([0, 0, 30, 0], dtype=torch.int32),
+                torch.tensor([1.0, 1.0, 1.0, 0.8]))
+    offsets = torch.randint(0, 1 << 40, (bs,), generator=gen)
+    target = reference.target_samples(logits, *(t.repeat_interleave(nodes) for t in sampling), seed,
+                                      offsets.repeat_interleave(nodes) + depths.reshape(-1), 1).reshape(bs, nodes)
+    tokens = follow_targets(tokens, parents, target, gen)
+    want = reference.verify_tree(tokens, parents, depths, logits, *sampling, seed, offsets)
+    args = [t.to(device) for t in (tokens, parents, depths, logits, *sampling)]
+    return _exact(_kernel("verify_tree")(*args, seed, offsets.to(device)), want)
+
+
 def _gumbel_argmax(device: torch.device, dtype: torch.dtype) -> str | None:
     gen = torch.Generator().manual_seed(2)
     rows, n, seed = 6, 1000, 77
@@ -286,6 +304,7 @@ CHECKS: dict[str, Callable[[torch.device, Any], str | None]] = {
     "verify_block": _verify_block,  # cases: logits dtypes
     "verify_block_from_ids": _verify_block_from_ids,  # cases: id dtypes
     "verify_tree_from_ids": _verify_tree_from_ids,  # cases: parents / id dtypes
+    "verify_tree": _verify_tree,  # cases: logits dtypes (a CPU kernel)
     "gumbel_argmax": _gumbel_argmax,  # cases: score dtypes
     "block_attention": _block_attention,  # cases: Attention
     "materialize_context_kv": _materialize_context_kv,  # cases: ContextKV
@@ -352,7 +371,8 @@ def engine_plan(q_heads: int, kv_heads: int, head_dim: int, logits_dtype: torch.
     (built after the target; DFlash drafters share the target's head layout, not always its dtype,
     so every float dtype) over full blocks and causal windowed small ones, and on the CPU the
     drafter's context K/V through materialize_context_kv and skinny_linear and rms_norm_rope in
-    every float dtype, and a tree step's move_slots (the target's dtype) and top_k_logprobs."""
+    every float dtype, and a tree step's verify_tree and move_slots (the target's dtype) and
+    top_k_logprobs."""
     attention = [Attention(q_heads, kv_heads, head_dim, dtype, 16) for dtype in FLOATS]
     attention += [Attention(q_heads, kv_heads, head_dim, dtype, 4, window=64, causal_block=True) for dtype in FLOATS]
     plan = {
@@ -367,6 +387,7 @@ def engine_plan(q_heads: int, kv_heads: int, head_dim: int, logits_dtype: torch.
         plan["skinny_linear"] = list(FLOATS)
         plan["rms_norm_rope"] = list(FLOATS)
         plan["w8a8_linear"] = list(FLOATS)
+        plan["verify_tree"] = [logits_dtype]  # trees
         plan["move_slots"] = [logits_dtype]  # the target's cache (trees)
         plan["top_k_logprobs"] = list(FLOATS)  # the draft logits (trees)
     return plan

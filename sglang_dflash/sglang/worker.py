@@ -205,6 +205,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
             plan["skinny_linear"] = [self.model_runner.model_config.dtype]
             plan["rms_norm_rope"] = [self.model_runner.model_config.dtype]
             plan["w8a8_linear"] = [self.model_runner.model_config.dtype]
+            plan["verify_tree"] = [self.model_runner.model_config.dtype]  # a sampled tree step
             plan["move_slots"] = [self.model_runner.model_config.dtype]  # a tree step's KV moves
             plan["top_k_logprobs"] = [self.model_runner.model_config.dtype]  # a tree's draft choices
         ours = self_test.select(device, plan, fallback="SGLang's own path")

@@ -57,6 +57,16 @@ struct TreeShape {
 TreeShape check_verify_tree_args(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depths,
                                  const at::Tensor& target_ids);
 
+// verify_tree: the tree as verify_tree_from_ids takes it, logits [bs * N, V] float, and the sampling
+// arguments [bs] as verify_block takes them, on one device.
+TreeShape check_verify_tree_sampling_args(const at::Tensor& tokens, const at::Tensor& parents,
+                                          const at::Tensor& depths, const at::Tensor& logits,
+                                          const at::Tensor& temperature, const at::Tensor& top_k,
+                                          const at::Tensor& top_p, const at::Tensor& offsets);
+
+// Every token of verify_tree's trees (padding included) in [0, V). CPU tensors only.
+void check_verify_tree_tokens(const at::Tensor& tokens, int64_t vocab);
+
 // The tree rules of every node (accept.h, check_tree_node). Reads the tensors, so CPU tensors only.
 void check_verify_tree_values(const at::Tensor& parents, const at::Tensor& depths);
 

@@ -35,6 +35,9 @@ namespace sglang_dflash {
     e.i, e.value, e.bound)                                                                         \
   X(kNormRopePosition, "rms_norm_rope",                                                           \
     "positions[%lld] = %lld is outside the rows [0, %lld) of cos_sin_cache", e.i, e.value, e.bound) \
+  X(kTreeToken, "verify_tree",                                                                     \
+    "tokens[%lld, %lld] = %lld is outside the vocabulary [0, %lld) of logits", e.i, e.j, e.value,   \
+    e.bound)                                                                                       \
   X(kTreeRoot, "verify_tree_from_ids", "parents[%lld, 0] = %lld must be -1 (node 0 is the root)",  \
     e.i, e.value)                                                                                  \
   X(kTreeParent, "verify_tree_from_ids",                                                           \
