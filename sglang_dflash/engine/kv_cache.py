@@ -25,6 +25,9 @@ class GrowingLayer(DynamicLayer):
         super().__init__(*args, **kwargs)
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
+        # The buffers' [slots, heads, D] views (`slot_view`), made once per buffer: a tree step
+        # moves its accepted path through them in every layer.
+        self.slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _is_prefix_of_buffer(self) -> bool:
         """Whether keys/values are still the leading columns of our buffers (anything else, e.g. a
@@ -46,6 +49,7 @@ class GrowingLayer(DynamicLayer):
             buffers.append(buf)
         self._key_buffer, self._value_buffer = buffers
         self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+        self.slots = (slot_view(self._key_buffer), slot_view(self._value_buffer))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sglang_dflash.engine import grouped_attention
-from sglang_dflash.engine.kv_cache import GrowingCache, slot_view
+from sglang_dflash.engine.kv_cache import GrowingCache
 from sglang_dflash.engine.packaged import PACKAGED_MODELS, model_dir
 from sglang_dflash.models.skinny import batch_invariant, use_skinny_linear
 from sglang_dflash.ops import move_slots, self_test
@@ -206,7 +206,7 @@ class HFTarget:
             src += [block_slot + nodes[j] for j in moved]
             dst += [block_slot + j for j in moved]
         if src:
-            views = [slot_view(t) for layer in self._cache.layers for t in (layer.keys, layer.values)]
+            views = [view for layer in self._cache.layers for view in layer.slots]
             move_slots(views, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
         self.commit(torch.tensor(counts, device=self._valid.device), rows)
 
