@@ -396,9 +396,11 @@ def bench_rms_norm_rope(shape, repeats):
                 kernel_GBps=2 * x.nbytes / kernel / 1e9)
 
 
-# (rows, V, k, dtype): a draft tree's positions (an 8-deep tree: 7; two requests: 14) over
-# SmolLM2's vocabulary, top 4 each, as the drafter's head returns them.
-TOP_K_SHAPES = [(7, 49152, 4, torch.bfloat16), (14, 49152, 4, torch.bfloat16), (7, 49152, 8, torch.float32)]
+# (rows, V, k, dtype): a draft tree's positions (an 8-deep tree: 7; two requests: 14), top 4 each,
+# over the shipped drafter's 16384-token draft vocabulary as its head returns them; and over
+# SmolLM2's whole vocabulary (a drafter without a draft vocabulary).
+TOP_K_SHAPES = [(7, 16384, 4, torch.bfloat16), (14, 16384, 4, torch.bfloat16), (7, 49152, 4, torch.bfloat16),
+                (7, 49152, 8, torch.float32)]
 
 
 def bench_top_k_logprobs(shape, repeats):
