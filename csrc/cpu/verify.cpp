@@ -229,6 +229,32 @@ int64_t target_token(const scalar_t* src, int64_t vocab, const SamplingParams& p
 // Scratch rows are left uninitialized: pages nothing touches (greedy fp32 rows) cost nothing.
 std::unique_ptr<float[]> scratch_row(int64_t vocab) { return std::make_unique_for_overwrite<float[]>(vocab); }
 
+// A verify call's target logits [rows, V] and per-request sampling arguments [bs] (contiguous),
+// read by its tasks.
+template <typename scalar_t>
+struct TargetRows {
+  const scalar_t* logits;
+  int64_t row_stride, vocab;
+  const float* temperature;
+  const int32_t* top_k;
+  const float* top_p;
+  const int64_t* offsets;
+  uint64_t seed;
+
+  TargetRows(const at::Tensor& logits_, const at::Tensor& temperature_, const at::Tensor& top_k_,
+             const at::Tensor& top_p_, uint64_t seed_, const at::Tensor& offsets_)
+      : logits(logits_.data_ptr<scalar_t>()), row_stride(logits_.stride(0)), vocab(logits_.size(1)),
+        temperature(temperature_.data_ptr<float>()), top_k(top_k_.data_ptr<int32_t>()),
+        top_p(top_p_.data_ptr<float>()), offsets(offsets_.data_ptr<int64_t>()), seed(seed_) {}
+
+  // The target's token of logits row `row`, with request b's sampling arguments and its noise keyed
+  // (offsets[b] + shift, verify_row); x and e are scratch rows.
+  int64_t token(int64_t b, int64_t row, uint64_t shift, uint32_t verify_row, float* x, float* e) const {
+    const SamplingParams params{temperature[b], top_k[b], top_p[b], seed, static_cast<uint64_t>(offsets[b]) + shift};
+    return target_token(logits + row * row_stride, vocab, params, verify_row, x, e);
+  }
+};
+
 template <typename scalar_t>
 void verify_kernel(const at::Tensor& candidates, const at::Tensor& logits,
                    const at::Tensor& temperature, const at::Tensor& top_k,
@@ -236,17 +262,11 @@ void verify_kernel(const at::Tensor& candidates, const at::Tensor& logits,
                    at::Tensor& accept_len, at::Tensor& bonus, at::Tensor& out_tokens) {
   const int64_t batch = candidates.size(0), block = candidates.size(1), vocab = logits.size(1);
   const int64_t* cand = candidates.data_ptr<int64_t>();
-  const scalar_t* logit_ptr = logits.data_ptr<scalar_t>();
-  const int64_t row_stride = logits.stride(0);
-  const float* temp = temperature.data_ptr<float>();
-  const int32_t* topk = top_k.data_ptr<int32_t>();
-  const float* topp = top_p.data_ptr<float>();
-  const int64_t* offset = offsets.data_ptr<int64_t>();
+  const TargetRows<scalar_t> target(logits, temperature, top_k, top_p, seed, offsets);
 
   // The target's token of row i of request b; x and e are scratch rows.
   auto row_token = [&](int64_t b, int i, float* x, float* e) -> int64_t {
-    const SamplingParams params{temp[b], topk[b], topp[b], seed, static_cast<uint64_t>(offset[b])};
-    return target_token(logit_ptr + (b * block + i) * row_stride, vocab, params, static_cast<uint32_t>(i), x, e);
+    return target.token(b, b * block + i, 0, static_cast<uint32_t>(i), x, e);
   };
   auto accept = [&](int64_t b, auto target) {
     bonus.data_ptr<int64_t>()[b] = accept_block(cand + b * block, static_cast<int>(block), target,
@@ -273,7 +293,7 @@ void verify_kernel(const at::Tensor& candidates, const at::Tensor& logits,
   for (int t = 0; t < threads; ++t) xs[t] = scratch(), es[t] = scratch();
   std::vector<int64_t> tokens(block);
   for (int64_t b = 0; b < batch; ++b) {
-    const int wave = temp[b] > 0.0f ? threads : 1;
+    const int wave = target.temperature[b] > 0.0f ? threads : 1;
     int64_t ready = 0;  // tokens[0, ready) are this request's
     accept(b, [&](int i) {
       if (i >= ready) {
@@ -298,25 +318,18 @@ void verify_tree_kernel(const at::Tensor& tokens, const at::Tensor& parents, con
                         const at::Tensor& top_p, uint64_t seed, const at::Tensor& offsets, at::Tensor& accept_len,
                         at::Tensor& path, at::Tensor& out_tokens) {
   const int64_t batch = tokens.size(0), n = tokens.size(1), vocab = logits.size(1);
-  const scalar_t* logit_ptr = logits.data_ptr<scalar_t>();
-  const int64_t row_stride = logits.stride(0);
-  const float* temp = temperature.data_ptr<float>();
-  const int32_t* topk = top_k.data_ptr<int32_t>();
-  const float* topp = top_p.data_ptr<float>();
-  const int64_t* offset = offsets.data_ptr<int64_t>();
+  const TargetRows<scalar_t> target(logits, temperature, top_k, top_p, seed, offsets);
   const int64_t* depth = depths.data_ptr<int64_t>();
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     const auto x = scratch_row(vocab), e = scratch_row(vocab);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t* parent = parents.const_data_ptr<int64_t>() + b * n;
-      auto target = [&](int64_t i) {
-        const SamplingParams params{temp[b], topk[b], topp[b], seed,
-                                    static_cast<uint64_t>(offset[b] + depth[b * n + i])};
-        return target_token(logit_ptr + (b * n + i) * row_stride, vocab, params, 0, x.get(), e.get());
+      auto node_token = [&](int64_t i) {
+        return target.token(b, b * n + i, static_cast<uint64_t>(depth[b * n + i]), 0, x.get(), e.get());
       };
       accept_len.data_ptr<int32_t>()[b] =
           accept_tree(tokens.const_data_ptr<int64_t>() + b * n, [parent](int64_t i) { return parent[i]; }, n,
-                      target, path.data_ptr<int64_t>() + b * n, out_tokens.data_ptr<int64_t>() + b * n);
+                      node_token, path.data_ptr<int64_t>() + b * n, out_tokens.data_ptr<int64_t>() + b * n);
     }
   });
 }
