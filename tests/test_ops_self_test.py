@@ -74,9 +74,9 @@ def test_kernels_pass_their_self_test(fresh, op):
 
 def test_engine_plan_passes_on_the_cpu(fresh):
     plan = self_test.engine_plan(9, 3, 64, torch.bfloat16, CPU)
-    assert set(plan) == {"verify_block", "verify_tree_from_ids", "gumbel_argmax", "block_attention",
-                         "materialize_context_kv", "skinny_linear", "rms_norm_rope", "w8a8_linear", "verify_tree",
-                         "move_slots", "top_k_logprobs"}
+    assert set(plan) == {"verify_block", "verify_tree", "gumbel_argmax", "block_attention",
+                         "materialize_context_kv", "skinny_linear", "rms_norm_rope", "w8a8_linear", "move_slots",
+                         "top_k_logprobs"}
     assert plan["verify_block"] == [torch.float32, torch.bfloat16]
     assert self_test.select(CPU, plan, fallback="PyTorch") == set(plan)
     assert not ops._REFERENCE_ON

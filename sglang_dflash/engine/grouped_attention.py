@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-from sglang_dflash.engine.kv_cache import slot_view
+from sglang_dflash.engine.kv_cache import slot_view, slots_per_row
 from sglang_dflash.ops import block_attention, runs_ours
 
 NAME = "sdpa_grouped"
@@ -118,7 +118,7 @@ def _kernel_attention(step: KernelStep, query: torch.Tensor, key: torch.Tensor, 
     k_cache, v_cache = slot_view(key), slot_view(value)
     if k_cache is None or v_cache is None or key.stride() != value.stride() or columns != step.width + q:
         return None
-    per_row = key.stride(0) // dim  # slots from one batch row to the next
+    per_row = slots_per_row(key)
     table = step.tables.get(per_row)
     if table is None:
         table = step.tables[per_row] = step.context + step.rows[:, None] * per_row

@@ -76,6 +76,12 @@ class GrowingCache(DynamicCache):
         self.layer_class_to_replicate = GrowingLayer
 
 
+def slots_per_row(t: torch.Tensor) -> int:
+    """How many slots of `slot_view(t)` one batch row spans (heads * capacity): row b's column c is
+    slot b * slots_per_row(t) + c."""
+    return t.stride(0) // t.shape[3]
+
+
 def slot_view(t: torch.Tensor) -> torch.Tensor | None:
     """keys or values [bs, heads, length, D], the leading columns of a [bs, heads, capacity, D]
     buffer (GrowingLayer's), as a [slots, heads, D] view of that buffer: row b's column c is slot

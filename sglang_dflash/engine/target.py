@@ -18,7 +18,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sglang_dflash.engine import grouped_attention
-from sglang_dflash.engine.kv_cache import GrowingCache
+from sglang_dflash.engine.kv_cache import GrowingCache, slots_per_row
 from sglang_dflash.engine.packaged import PACKAGED_MODELS, model_dir
 from sglang_dflash.models.skinny import batch_invariant, use_skinny_linear
 from sglang_dflash.ops import move_slots, self_test
@@ -197,8 +197,7 @@ class HFTarget:
         accept_len + 1 tokens a row (at batch size 1 a shorter view: no copy, no masked columns)."""
         width, n = self._valid.shape[1], self._block
         counts = (accept_len.to(torch.int64) + 1).tolist()
-        keys = self._cache.layers[0].keys
-        per_row = keys.stride(0) // keys.shape[3]  # slots from one batch row to the next (slot_view)
+        per_row = slots_per_row(self._cache.layers[0].keys)
         src, dst = [], []
         for b, (nodes, count) in enumerate(zip(path.tolist(), counts, strict=True)):
             block_slot = b * per_row + width - n

@@ -282,11 +282,14 @@ def _move_slots(device: torch.device, dtype: torch.dtype) -> str | None:
     pool = torch.randn(40, 3, 64, generator=gen).to(dtype)
     cache = torch.randn(2, 3, 16, 64, generator=gen).to(dtype)
     src, dst = torch.tensor([5, 9, 2, 7]), torch.tensor([2, 5, 9, 1])
+
+    def buffers(pool, cache):  # the pool, and the cache's slot b * 3 * 16 + column as [slots, 3, 64]
+        return [pool, cache.as_strided((3 * 16 + 16, 3, 64), (64, 16 * 64, 1))]
+
     want = [pool.clone(), cache.clone()]
-    reference.move_slots([want[0], want[1].as_strided((3 * 16 + 16, 3, 64), (64, 16 * 64, 1))], src, dst)
+    reference.move_slots(buffers(*want), src, dst)
     got = [pool.to(device), cache.to(device)]
-    _kernel("move_slots")([got[0], got[1].as_strided((3 * 16 + 16, 3, 64), (64, 16 * 64, 1))], src.to(device),
-                          dst.to(device))
+    _kernel("move_slots")(buffers(*got), src.to(device), dst.to(device))
     return _exact(got, want)
 
 
@@ -366,28 +369,29 @@ def select(device: torch.device | str, plan: Mapping[str, Iterable[Any]], fallba
 def engine_plan(q_heads: int, kv_heads: int, head_dim: int, logits_dtype: torch.dtype,
                 device: torch.device) -> dict[str, list]:
     """What the standalone engine runs on `device` with a target of this head layout and dtype:
-    verify_block on its logits, verify_tree_from_ids on int64 trees (draft trees: the walk after
-    verify_block sampled each node), gumbel_argmax on fp32 draft scores, block_attention for a drafter
+    verify_block on its logits, a draft tree's walk (on the CPU verify_tree on its logits, which walks
+    itself; elsewhere verify_tree_from_ids on int64 trees, after verify_block sampled each node),
+    gumbel_argmax on fp32 draft scores, block_attention for a drafter
     (built after the target; DFlash drafters share the target's head layout, not always its dtype,
     so every float dtype) over full blocks and causal windowed small ones, and on the CPU the
     drafter's context K/V through materialize_context_kv and skinny_linear and rms_norm_rope in
-    every float dtype, and a tree step's verify_tree and move_slots (the target's dtype) and
-    top_k_logprobs."""
+    every float dtype, and a tree step's move_slots (the target's dtype) and top_k_logprobs."""
     attention = [Attention(q_heads, kv_heads, head_dim, dtype, 16) for dtype in FLOATS]
     attention += [Attention(q_heads, kv_heads, head_dim, dtype, 4, window=64, causal_block=True) for dtype in FLOATS]
     plan = {
         "verify_block": list(dict.fromkeys([torch.float32, logits_dtype])),
-        "verify_tree_from_ids": [torch.int64],
         "gumbel_argmax": [torch.float32],
         "block_attention": attention,
     }
-    if device.type == "cpu":
+    if device.type != "cpu":
+        plan["verify_tree_from_ids"] = [torch.int64]
+    else:
         plan["materialize_context_kv"] = [ContextKV(q_heads * head_dim, kv_heads, head_dim, head_dim, dtype, dtype,
                                                     torch.float32, False, True) for dtype in FLOATS]
         plan["skinny_linear"] = list(FLOATS)
         plan["rms_norm_rope"] = list(FLOATS)
         plan["w8a8_linear"] = list(FLOATS)
-        plan["verify_tree"] = [logits_dtype]  # trees
+        plan["verify_tree"] = [logits_dtype]
         plan["move_slots"] = [logits_dtype]  # the target's cache (trees)
         plan["top_k_logprobs"] = list(FLOATS)  # the draft logits (trees)
     return plan
