@@ -99,6 +99,30 @@ std::optional<Element> first_outside(const at::Tensor& t, int64_t lo, int64_t hi
   TORCH_CHECK_VALUE(false, describe({static_cast<int32_t>(check), 0, i, j, value, bound}));
 }
 
+// Every token of ids [bs, B] in [0, vocab); the first that is not fails `check` at its [b, i].
+void check_ids_in_vocab(IndexCheck check, const at::Tensor& ids, int64_t vocab) {
+  if (const auto bad = first_outside(ids, 0, vocab)) {
+    const int64_t cols = ids.size(1);
+    fail_index(check, bad->index / cols, bad->index % cols, bad->value, vocab);
+  }
+}
+
+// No slot >= 0 twice in the index tensor `slots` (named `name`): two writes into one slot would
+// leave it holding either, or a mix on CUDA. Rejected on the host, where it is cheap (few values).
+void check_each_slot_once(const char* op, const char* name, const at::Tensor& slots) {
+  const auto loc = slots.to(at::kLong).contiguous();
+  const int64_t* slot = loc.const_data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> written;  // (slot, index)
+  for (int64_t i = 0; i < loc.numel(); ++i) {
+    if (slot[i] >= 0) written.emplace_back(slot[i], i);
+  }
+  std::sort(written.begin(), written.end());
+  const auto twice = std::adjacent_find(written.begin(), written.end(),
+                                        [](const auto& a, const auto& b) { return a.first == b.first; });
+  SGLD_CHECK(twice == written.end(), op, name, "[", twice->second, "] and ", name, "[", (twice + 1)->second,
+             "] are both slot ", twice->first, ": each slot may be written once per call");
+}
+
 // candidates [bs, B] int64 with B >= 1 (the anchor column); returns (bs, B).
 std::pair<int64_t, int64_t> check_candidates(const char* op, const at::Tensor& candidates) {
   check_rank(op, "candidates", candidates, 2, "[bs, B]");
@@ -312,17 +336,11 @@ TreeShape check_verify_tree_sampling_args(const at::Tensor& tokens, const at::Te
 }
 
 void check_verify_values(const at::Tensor& candidates, int64_t vocab) {
-  if (const auto bad = first_outside(candidates, 0, vocab)) {
-    const int64_t cols = candidates.size(1);
-    fail_index(IndexCheck::kVerifyCandidate, bad->index / cols, bad->index % cols, bad->value, vocab);
-  }
+  check_ids_in_vocab(IndexCheck::kVerifyCandidate, candidates, vocab);
 }
 
 void check_verify_tree_tokens(const at::Tensor& tokens, int64_t vocab) {
-  if (const auto bad = first_outside(tokens, 0, vocab)) {
-    const int64_t cols = tokens.size(1);
-    fail_index(IndexCheck::kTreeToken, bad->index / cols, bad->index % cols, bad->value, vocab);
-  }
+  check_ids_in_vocab(IndexCheck::kTreeToken, tokens, vocab);
 }
 
 TreeShape check_verify_tree_args(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depths,
@@ -536,19 +554,7 @@ void check_materialize_context_kv_indices(const at::Tensor& positions, const at:
   if (const auto bad = first_outside(out_loc, -1, shape.slots)) {
     fail_index(IndexCheck::kContextOutLoc, bad->index, 0, bad->value, shape.slots);
   }
-  const auto loc = out_loc.to(at::kLong).contiguous();
-  // Two rows into one slot would leave it holding either row, or a mix on CUDA: rejected here,
-  // where it is cheap (N is small and the values are on the host already).
-  std::vector<std::pair<int64_t, int64_t>> written;  // (slot, row)
-  const int64_t* slot = loc.const_data_ptr<int64_t>();
-  for (int64_t r = 0; r < shape.rows; ++r) {
-    if (slot[r] >= 0) written.emplace_back(slot[r], r);
-  }
-  std::sort(written.begin(), written.end());
-  const auto twice = std::adjacent_find(written.begin(), written.end(),
-                                        [](const auto& a, const auto& b) { return a.first == b.first; });
-  SGLD_CHECK(twice == written.end(), op, "out_loc[", twice->second, "] and out_loc[", (twice + 1)->second,
-             "] are both slot ", twice->first, ": each slot may be written once per call");
+  check_each_slot_once(op, "out_loc", out_loc);
 }
 
 void check_rms_norm_rope_args(const at::Tensor& x, const at::Tensor& weight,
@@ -623,16 +629,7 @@ void check_move_slots_indices(at::TensorList buffers, const at::Tensor& src, con
                  ") of every buffer");
     }
   }
-  // Two moves into one slot would leave it holding either: rejected, as cheap here as anywhere.
-  const auto loc = dst.to(at::kLong).contiguous();
-  const int64_t* slot = loc.const_data_ptr<int64_t>();
-  std::vector<std::pair<int64_t, int64_t>> written;  // (slot, i)
-  for (int64_t i = 0; i < loc.numel(); ++i) written.emplace_back(slot[i], i);
-  std::sort(written.begin(), written.end());
-  const auto twice = std::adjacent_find(written.begin(), written.end(),
-                                        [](const auto& a, const auto& b) { return a.first == b.first; });
-  SGLD_CHECK(twice == written.end(), op, "dst[", twice->second, "] and dst[", (twice + 1)->second,
-             "] are both slot ", twice->first, ": each slot may be written once per call");
+  check_each_slot_once(op, "dst", dst);
 }
 
 void check_top_k_logprobs_args(const at::Tensor& logits, int64_t k) {
