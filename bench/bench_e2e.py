@@ -244,8 +244,9 @@ def plot(rows: list[dict], out_prefix: Path) -> list[Path]:
 
 def plot_trees(rows: list[dict], out_prefix: Path) -> list[Path]:
     """tau and speedup against the tree budget per dataset and temperature (one line per least
-    path probability: solid the first, dotted the others), with the best fixed chain of each as a
-    dashed line of the same colour."""
+    path probability: solid the first, dotted the others; dash-dotted with crosses the adaptive
+    choice against its largest budget), with the best fixed chain of each as a dashed line of the
+    same colour."""
     import matplotlib.pyplot as plt
 
     paths = []
@@ -253,15 +254,19 @@ def plot_trees(rows: list[dict], out_prefix: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for i, (dataset, temperature) in enumerate(dict.fromkeys((r["dataset"], r["temperature"]) for r in rows)):
             cell = [r for r in rows if r["dataset"] == dataset and r["temperature"] == temperature]
-            trees = sorted((r for r in cell if r.get("tree_budget") and not r.get("adaptive")),
-                           key=lambda r: r["tree_budget"])
+            trees = sorted((r for r in cell if r.get("tree_budget")), key=lambda r: r["tree_budget"])
             chains = [r for r in cell if is_fixed_chain(r)]
             if not trees or not chains:
                 continue
-            for j, least in enumerate(dict.fromkeys(r.get("tree_min_prob") or 0 for r in trees)):
-                line = [r for r in trees if (r.get("tree_min_prob") or 0) == least]
+            fixed = [r for r in trees if not r.get("adaptive")]
+            for j, least in enumerate(dict.fromkeys(r.get("tree_min_prob") or 0 for r in fixed)):
+                line = [r for r in fixed if (r.get("tree_min_prob") or 0) == least]
                 ax.plot([r["tree_budget"] for r in line], [r[metric] for r in line], marker="o", color=f"C{i}",
                         ls="-" if j == 0 else ":", label=f"{dataset} T={temperature:g} least p {least:g}")
+            adaptive = [r for r in trees if r.get("adaptive")]
+            if adaptive:
+                ax.plot([r["tree_budget"] for r in adaptive], [r[metric] for r in adaptive], marker="x",
+                        color=f"C{i}", ls="-.", label=f"{dataset} T={temperature:g} adaptive, trees up to")
             ax.axhline(max(r[metric] for r in chains), color=f"C{i}", ls="--", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set(xlabel="tree budget (drafted nodes)", ylabel=name,

@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify a tree of N drafted tokens a step instead of a chain (the drafter's --tree-topk "
                         "best tokens at each of the B - 1 positions, grown best first; 0: a chain); with --adaptive, "
                         "each step a chain of up to B or a tree of N, N/2 or N/4, whichever is expected to be "
-                        "fastest (default with --adaptive and a drafter: 4, cut to B - 1, as the server plays; "
-                        "else 0)")
+                        "fastest (default with --adaptive and a drafter: 15, cut to what a tree of B - 1 positions "
+                        "and --tree-topk choices holds; the server plays up to B - 1; else 0)")
     g.add_argument("--tree-topk", type=int, default=4, metavar="K", help="choices per position of a tree (default 4)")
     g.add_argument("--tree-min-prob", type=float, metavar="P",
                    help="leave out of a greedy tree the nodes whose path probability (the product of the draft "
@@ -217,7 +217,12 @@ def generate(args: argparse.Namespace) -> int:
     from sglang_dflash.drafters import resolve_draft
     from sglang_dflash.engine import Generator, HFTarget, SamplingParams, load_drafter
     from sglang_dflash.engine.drafters import NoDrafter
-    from sglang_dflash.engine.tree import DEFAULT_TREE_MIN_PROB, default_tree_budget, validate_tree_options
+    from sglang_dflash.engine.tree import (
+        DEFAULT_TREE_MIN_PROB,
+        default_tree_budget,
+        most_tree_nodes,
+        validate_tree_options,
+    )
 
     if not args.prompt and not args.prompt_ids:
         raise ValueError("give at least one --prompt or --prompt-ids")
@@ -229,7 +234,7 @@ def generate(args: argparse.Namespace) -> int:
         if not args.draft:
             raise ValueError("--tree-budget needs a drafter (--draft)")
         validate_tree_options(args.tree_budget, args.tree_topk, min_prob=tree_min_prob)
-    elif args.tree_min_prob is not None:
+    else:  # the options of the trees --adaptive plays by default
         validate_tree_options(1, args.tree_topk, min_prob=tree_min_prob)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens,
@@ -244,7 +249,8 @@ def generate(args: argparse.Namespace) -> int:
         drafter, block_size = NoDrafter(), args.block_size or 1
     tree_budget = args.tree_budget
     if tree_budget is None:
-        tree_budget = default_tree_budget(block_size) if args.adaptive and args.draft else 0
+        adaptive_trees = args.adaptive and args.draft
+        tree_budget = default_tree_budget(most_tree_nodes(block_size, args.tree_topk)) if adaptive_trees else 0
     results = Generator(target, drafter, block_size, adaptive=args.adaptive, tree_budget=tree_budget,
                         tree_topk=args.tree_topk, tree_min_prob=tree_min_prob).generate(
         args.prompt + args.prompt_ids, params, chat=not args.no_chat_template)

@@ -14,12 +14,15 @@ from sglang_dflash.engine import DFlashDrafter, Generator, SamplingParams
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.target import MAX_DEAD_COLUMNS
 from sglang_dflash.engine.tree import (
+    DEFAULT_TREE_BUDGET,
     MAX_TREE_BUDGET,
     MAX_TREE_TOPK,
     DraftTrees,
     build_trees,
     chain_accept_lens,
     chain_depths,
+    default_tree_budget,
+    most_tree_nodes,
 )
 from tests.dflash_testlib import STOP_TOKEN, TINY_VOCAB, hf_greedy, random_draft, tiny_target
 
@@ -66,6 +69,22 @@ def test_trees_are_the_best_paths_and_hold_the_chain(depth, k):
         assert path_scores == sorted(path_scores, reverse=True), "nodes come best first"
         deepest = max(len(p) for p in ranks.values())
         assert all((0,) * d in ranks.values() for d in range(1, deepest + 1)), "the chain to the tree's depth"
+
+
+@pytest.mark.parametrize("depth,k", [(1, 1), (1, 4), (2, 3), (4, 4), (5, 2)])
+def test_most_tree_nodes_is_what_an_unbounded_tree_grows_to(depth, k):
+    anchors, candidates, scores = random_choices(2, depth, k, seed=depth * 7 + k)
+    trees = build_trees(anchors, candidates, scores, [1000, 1000])
+    assert trees.sizes == [most_tree_nodes(depth + 1, k) + 1] * 2  # + the root
+
+
+def test_the_default_budget_is_cut_to_what_the_trees_hold():
+    assert DEFAULT_TREE_BUDGET == 15
+    assert default_tree_budget(most_tree_nodes(8, 4)) == 15  # the shipped drafter's B 8, top 4
+    assert default_tree_budget(most_tree_nodes(2, 4)) == 4  # one position: its 4 choices
+    assert default_tree_budget(8 - 1) == 7  # the served worker: B - 1 drafted rows
+    assert default_tree_budget(most_tree_nodes(2, 1)) == default_tree_budget(1) == 0  # the chain of 2
+    assert default_tree_budget(most_tree_nodes(1, 4)) == 0  # B 1: no drafted position
 
 
 @pytest.mark.parametrize("min_prob", [0.15, 0.3, 0.999])

@@ -6,7 +6,7 @@ With the plugin, CPU decoding is batch invariant (few-row linears through skinny
 and verify attention through block_attention, which tiles keys by absolute position): a verify row
 computes exactly what decoding that token alone computes. So greedy DFLASH output must equal the
 plain server's token for token, one request at a time and concurrently, whatever block sizes the
-adaptive controller picks (chains or, by default on CPU, draft trees of up to 4 nodes), and with
+adaptive controller picks (chains or, by default on CPU, draft trees of up to 7 nodes), and with
 trees at every step (SGLANG_DFLASH_TREE_BUDGET: a tree node's verify row is bitwise the decode of
 its path). The servers run one after the other (never together: an idle
 SGLang scheduler keeps a core busy). Needs SGLang (scripts/install_sglang_cpu.sh); ~5 minutes.
@@ -33,7 +33,7 @@ if importlib.util.find_spec("sglang") is None:
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
-from sglang_dflash.engine.tree import DEFAULT_TREE_BUDGET
+from sglang_dflash.engine.tree import default_tree_budget
 from sglang_dflash.sglang.local_server import (
     LocalServer,
     free_port,
@@ -193,9 +193,10 @@ def test_each_steps_block_size_is_in_meta_info_and_the_log(runs):
         assert sizes[0] == 0 and all(1 <= b <= 8 for b in sizes[1:])  # the first token is the prefill's
     log = dflash["log"]
     assert "sglang-dflash: adaptive block size on: each decode step runs B in 1..8" in log
-    # On CPU the adaptive server may verify trees of up to DEFAULT_TREE_BUDGET nodes (a tree of n
-    # runs at block size n + 1), unless SGLANG_DFLASH_TREE_BUDGET says otherwise.
-    assert f"sglang-dflash: draft trees on: up to {DEFAULT_TREE_BUDGET} nodes (top 4 per position" in log
+    # On CPU the adaptive server may verify trees of up to DEFAULT_TREE_BUDGET nodes cut to the 7
+    # drafted rows of its block (a tree of n runs at block size n + 1), unless
+    # SGLANG_DFLASH_TREE_BUDGET says otherwise.
+    assert f"sglang-dflash: draft trees on: up to {default_tree_budget(8 - 1)} nodes (top 4 per position" in log
     assert "sglang-dflash: adaptive block size, steps since the last report: batch 1: B=" in log
 
 

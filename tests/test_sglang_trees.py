@@ -242,7 +242,7 @@ def test_tree_settings(monkeypatch):
     assert not trees.tree_budget_asked()
     # Unset: the engine's default budget where the block size adapts, cut to what the block
     # holds, off below 2 nodes.
-    assert trees.tree_options(8, 100, adaptive=True) == (4, trees.DEFAULT_TREE_TOPK)
+    assert trees.tree_options(8, 100, adaptive=True) == (7, trees.DEFAULT_TREE_TOPK)
     assert trees.tree_options(4, 100, adaptive=True) == (3, trees.DEFAULT_TREE_TOPK)
     assert trees.tree_options(2, 100, adaptive=True) is None
     monkeypatch.setenv("SGLANG_DFLASH_TREE_TOPK", "0")  # read only where trees are on

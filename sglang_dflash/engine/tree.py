@@ -41,24 +41,31 @@ from sglang_dflash.ops.reference import tree_ancestors
 
 MAX_TREE_BUDGET = 256  # drafted nodes per request: the target verifies up to budget + 1 rows a step
 MAX_TREE_TOPK = 64  # choices per position
-# Trees of up to this many nodes beside the chains where the block size adapts and no budget is
-# asked (the served worker on CPU, `generate --adaptive`): bench_serving, SmolLM2 + the shipped
-# drafter, 1 and 4 clients, four runs (bench/results/serving_smollm2-135m_trees4_run*.json,
-# ..._trees_default*.json; the table in docs/sglang.md), and bench_e2e's adaptive rows with and
-# without them (bench/results/e2e_smollm2-135m_adaptive_trees_chain_acceptance*.json).
-DEFAULT_TREE_BUDGET = 4
+# Trees of up to this many nodes (the adaptive choice plays N, N / 2 and N / 4) beside the chains
+# where the block size adapts and no budget is asked (`generate --adaptive`; the served worker on
+# CPU, whose block holds at most B - 1): against 4 (greedy and T = 1, bf16 and fp32, HumanEval /
+# GSM8K / MT-Bench) 1.00-1.09x the tok/s, never below 0.99x (bench_e2e,
+# bench/results/e2e_smollm2-135m_adaptive_trees15*.json); served, trees of up to 7 against 4:
+# bench/results/serving_smollm2-135m_trees7*.json (the tables in README.md and docs/sglang.md).
+DEFAULT_TREE_BUDGET = 15
 # Nodes less likely than this (the product of the draft probabilities on their path) are left out
 # of a greedy tree: the module docstring's break-even on this CPU; against 0 (every tree grown to
 # its budget) in bench/results/e2e_smollm2-135m_trees_bf16.json.
 DEFAULT_TREE_MIN_PROB = 0.03
 
 
-def default_tree_budget(max_block_size: int) -> int:
-    """The tree budget of an adaptive run that asks for none: DEFAULT_TREE_BUDGET cut to the
-    B - 1 drafted nodes a block of `max_block_size` holds; 0 (chains only) under 2 nodes, where a
-    tree of one node is the chain of 2."""
-    budget = min(DEFAULT_TREE_BUDGET, max_block_size - 1)
+def default_tree_budget(most_nodes: int) -> int:
+    """The tree budget of an adaptive run that asks for none: DEFAULT_TREE_BUDGET cut to the most
+    nodes the caller's trees can hold (`most_tree_nodes` in the engine; the served worker's B - 1
+    block rows); 0 (chains only) under 2 nodes, where a tree of one node is the chain of 2."""
+    budget = min(DEFAULT_TREE_BUDGET, most_nodes)
     return budget if budget >= 2 else 0
+
+
+def most_tree_nodes(max_block_size: int, topk: int) -> int:
+    """The drafted nodes a tree can hold at most: every node at depths 1..B - 1 has up to `topk`
+    children (each position's choices), so topk + topk^2 + ... + topk^(B - 1)."""
+    return sum(topk ** depth for depth in range(1, max_block_size))
 
 
 @dataclasses.dataclass

@@ -71,7 +71,7 @@ def tree_options(max_block_size: int, vocab_size: int, adaptive: bool = False) -
     if raw:
         budget = _env_int(ENV_TREE_BUDGET, raw)
     else:
-        budget = default_tree_budget(max_block_size) if adaptive else 0
+        budget = default_tree_budget(max_block_size - 1) if adaptive else 0  # a tree of n nodes fills n + 1 block rows
     if budget == 0:
         return None
     topk = _env_int(ENV_TREE_TOPK, os.environ.get(ENV_TREE_TOPK, str(DEFAULT_TREE_TOPK)).strip())
