@@ -5,8 +5,9 @@ tree stops at its least path probability: the budget's measured ratio below take
 commits at least what the chain of its depth would (the drafter's argmax chain is in it). Whether
 it pays depends on what a verified row costs: on targets whose steps are bound by reading the
 weights (GPUs, larger models) extra rows are nearly free and trees win; on this 2-core CPU a
-SmolLM2 row costs ~1 ms of a ~40 ms fp32 step (~0.45 ms of ~30 ms in bf16 on AMX), and a 16-node
-tree grown to its budget runs slower than the best chain. So the controller estimates, per step:
+SmolLM2 row costs ~1 ms of a ~40 ms fp32 step (~0.45 ms of ~30 ms in bf16 on AMX): a 16-node tree
+grown to its budget runs slower than the best chain in fp32 and ~1.1x faster in bf16. So the
+controller estimates, per step:
 
 - the chains' best rate, from `BlockSizeController` (which keeps choosing the chain, 1 = plain);
 - each tree budget n's rate = tokens(n) / seconds(n). tokens(n) = the chain of the tree's depth's
