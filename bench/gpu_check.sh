@@ -13,7 +13,8 @@
 #                tests/test_packaging.py (the build links torch's libstdc++.so and raises errors cleanly)
 #   smoke        bench/gpu_smoke.py: each op in its own process, CUDA_LAUNCH_BLOCKING=1, max error vs
 #                the pure-PyTorch reference on the CPU
-#   tests        the cuda-marked tests (CUDA_TEST_FILES), one pytest process per op family side by side, a time limit
+#   tests        the cuda-marked tests (CUDA_TEST_FILES; the engine's, ENGINE_TEST_FILES), one pytest process per
+#                op family and one for the engine side by side, a time limit
 #                per test (pytest-timeout), one xdist worker each (a test that crashes it is reported as
 #                failed and the rest still run) and a JUnit XML each
 #   memcheck     compute-sanitizer memcheck over bench/sanitize_kernels.py, our kernels only
@@ -95,8 +96,12 @@ stage_smoke() {
   "$PY" bench/gpu_smoke.py --out "$OUT_DIR/smoke.json" --timeout 50
 }
 
-# Every file with `cuda`-marked cases (the exactness and index-error files also run on CPU in CI).
+# Every file with `cuda`-marked op cases (the exactness and index-error files also run on CPU in CI).
 CUDA_TEST_FILES=(tests/test_cuda_ops.py tests/test_ops_exactness.py tests/test_ops_index_errors.py)
+# The engine end to end on the GPU (chains, trees, adaptive; greedy and seeded sampling against
+# plain decoding), in a process and file list of its own: what it imports (transformers) cannot
+# fail the op families' collection.
+ENGINE_TEST_FILES=(tests/test_engine_devices.py)
 
 stage_tests() {
   local timeout_opt=() worker_opt=()
@@ -113,16 +118,19 @@ stage_tests() {
   else
     echo "NOTE: pytest-xdist missing: a crashing test ends its family's run"
   fi
-  # One process per op family: a kernel fault ends one family's process, not the others'.
-  local names=(block_attention verify gumbel_argmax materialize_context_kv other)
+  # One process per op family, and one for the engine: a kernel fault ends one family's process,
+  # not the others'.
+  local names=(block_attention verify gumbel_argmax materialize_context_kv other engine)
   local exprs=(block_attention verify gumbel_argmax materialize_context_kv
-    "not (block_attention or verify or gumbel_argmax or materialize_context_kv)")
-  local threads=$(($(nproc) / ${#names[@]})) pids=() failed=() i rc
+    "not (block_attention or verify or gumbel_argmax or materialize_context_kv)" "")
+  local threads=$(($(nproc) / ${#names[@]})) pids=() failed=() i rc files
   mkdir -p "$LOGS/junit"
   for i in "${!names[@]}"; do
-    OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) "$PY" -m pytest -v -rs -m cuda "${CUDA_TEST_FILES[@]}" \
-      -k "${exprs[i]}" -p no:cacheprovider --junitxml="$LOGS/junit/${names[i]}.xml" "${timeout_opt[@]}" "${worker_opt[@]}" \
-      >"$LOGS/tests-${names[i]}.log" 2>&1 &
+    files=("${CUDA_TEST_FILES[@]}")
+    [[ ${names[i]} == engine ]] && files=("${ENGINE_TEST_FILES[@]}")
+    OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) "$PY" -m pytest -v -rs -m cuda "${files[@]}" \
+      ${exprs[i]:+-k "${exprs[i]}"} -p no:cacheprovider --junitxml="$LOGS/junit/${names[i]}.xml" \
+      "${timeout_opt[@]}" "${worker_opt[@]}" >"$LOGS/tests-${names[i]}.log" 2>&1 &
     pids+=($!)
   done
   for i in "${!names[@]}"; do

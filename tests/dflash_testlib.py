@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from sglang_dflash.engine import HFTarget
+from sglang_dflash.engine import DFlashDrafter, HFTarget
 from sglang_dflash.models import DFlashConfig, DFlashDraftModel
 
 TINY_VOCAB = 96
@@ -93,3 +93,38 @@ def cpu_flags() -> set[str]:
     """This CPU's feature flags as Linux lists them (the kernels' instruction paths follow them)."""
     with open("/proc/cpuinfo") as f:
         return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+class CandidateOracle(DFlashDrafter):
+    """The DFlash drafter's context handling with candidates from the known continuation: at each
+    position the true token sits at rank r with probability RANKS[r] (missing when r >= top-k, so a
+    chain is offered the same first choices as a tree), the other choices are random tokens.
+    Records the tapped states every commit hands the drafter. Its choices are drawn on the CPU and
+    handed over on the anchors' device."""
+
+    RANKS = torch.tensor([0.6, 0.25, 0.1, 0.05])
+
+    def __init__(self, model, target, references, seed=0):
+        super().__init__(model, target)
+        self.references = references
+        self.gen = torch.Generator().manual_seed(seed)
+        self.committed: dict[int, list[torch.Tensor]] = {}
+
+    def propose_candidates(self, reqs, anchors, starts, depth, topk, sampling=None):
+        vocab = self.target.vocab_size
+        candidates = torch.randint(0, vocab, (len(reqs), depth, topk), generator=self.gen)
+        for b, (r, p) in enumerate(zip(reqs, starts.tolist(), strict=True)):
+            for d in range(1, depth + 1):
+                truth = self.references[r][p + d] if p + d < len(self.references[r]) else 0
+                row = candidates[b, d - 1]
+                row[row == truth] = (truth + 1) % vocab
+                rank = int(torch.multinomial(self.RANKS, 1, generator=self.gen))
+                if rank < topk:
+                    row[rank] = truth
+        scores = -torch.rand(candidates.shape, generator=self.gen).cumsum(-1)
+        return candidates.to(anchors.device), scores.to(anchors.device)
+
+    def commit(self, reqs, counts, taps):
+        for b, (r, n) in enumerate(zip(reqs, counts, strict=True)):
+            self.committed.setdefault(r, []).append(taps[b, :n].clone())
+        super().commit(reqs, counts, taps)

@@ -24,7 +24,7 @@ from sglang_dflash.engine.tree import (
     default_tree_budget,
     most_tree_nodes,
 )
-from tests.dflash_testlib import STOP_TOKEN, TINY_VOCAB, hf_greedy, random_draft, tiny_target
+from tests.dflash_testlib import STOP_TOKEN, TINY_VOCAB, CandidateOracle, hf_greedy, random_draft, tiny_target
 
 PROMPTS = [[3, 4, 5], list(range(10, 30)), [50, 60, 70, 80, 90, 11, 12], [5]]
 MAX_NEW = 24
@@ -139,40 +139,6 @@ def test_ancestors_are_the_paths_to_the_root():
                 expected.add(node)
                 node = int(trees.parents[b, node]) if node < trees.sizes[b] else -1
             assert set(torch.nonzero(seen[b, i])[:, 0].tolist()) == expected
-
-
-class CandidateOracle(DFlashDrafter):
-    """The DFlash drafter's context handling with candidates from the known continuation: at each
-    position the true token sits at rank r with probability RANKS[r] (missing when r >= top-k, so a
-    chain is offered the same first choices as a tree), the other choices are random tokens.
-    Records the tapped states every commit hands the drafter."""
-
-    RANKS = torch.tensor([0.6, 0.25, 0.1, 0.05])
-
-    def __init__(self, model, target, references, seed=0):
-        super().__init__(model, target)
-        self.references = references
-        self.gen = torch.Generator().manual_seed(seed)
-        self.committed: dict[int, list[torch.Tensor]] = {}
-
-    def propose_candidates(self, reqs, anchors, starts, depth, topk, sampling=None):
-        vocab = self.target.vocab_size
-        candidates = torch.randint(0, vocab, (len(reqs), depth, topk), generator=self.gen)
-        for b, (r, p) in enumerate(zip(reqs, starts.tolist(), strict=True)):
-            for d in range(1, depth + 1):
-                truth = self.references[r][p + d] if p + d < len(self.references[r]) else 0
-                row = candidates[b, d - 1]
-                row[row == truth] = (truth + 1) % vocab
-                rank = int(torch.multinomial(self.RANKS, 1, generator=self.gen))
-                if rank < topk:
-                    row[rank] = truth
-        scores = -torch.rand(candidates.shape, generator=self.gen).cumsum(-1)
-        return candidates, scores
-
-    def commit(self, reqs, counts, taps):
-        for b, (r, n) in enumerate(zip(reqs, counts, strict=True)):
-            self.committed.setdefault(r, []).append(taps[b, :n].clone())
-        super().commit(reqs, counts, taps)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
