@@ -44,7 +44,7 @@ MAX_TREE_TOPK = 64  # choices per position
 # Trees of up to this many nodes (the adaptive choice plays N, N / 2 and N / 4) beside the chains
 # where the block size adapts and no budget is asked (`generate --adaptive`; the served worker on
 # CPU, whose block holds at most B - 1): against 4 (greedy and T = 1, bf16 and fp32, HumanEval /
-# GSM8K / MT-Bench) 1.00-1.09x the tok/s, never below 0.99x (bench_e2e,
+# GSM8K / MT-Bench) 0.99-1.09x the tok/s (bench_e2e,
 # bench/results/e2e_smollm2-135m_adaptive_trees15*.json); served, trees of up to 7 against 4:
 # bench/results/serving_smollm2-135m_trees7*.json (the tables in README.md and docs/sglang.md).
 DEFAULT_TREE_BUDGET = 15

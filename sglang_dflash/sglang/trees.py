@@ -3,9 +3,9 @@
 With `SGLANG_DFLASH_TREE_BUDGET=n` a decode step may verify a tree of n drafted nodes
 (engine/tree.py: the drafter's `SGLANG_DFLASH_TREE_TOPK` best tokens per block position, grown best
 first) instead of a chain; unset, trees of up to `engine.tree.DEFAULT_TREE_BUDGET` nodes cut to
-the block's B - 1 where the block size adapts (on CPU), none where it is pinned; 0 turns them off. It runs inside SGLang's own chain step
-at block size n + 1, so SGLang's buffers, KV slot reservation and commit stay as they are; what
-changes:
+the block's B - 1 where the block size adapts (on CPU), none where it is pinned; 0 turns them off.
+It runs inside SGLang's own chain step at block size n + 1, so SGLang's buffers, KV slot
+reservation and commit stay as they are; what changes:
 
 1. the draft head (`draft`, from the worker's `_greedy_sample_from_vocab_parallel_head`) takes the
    top-k per position and builds the trees; the block's tokens become the trees' nodes, their
