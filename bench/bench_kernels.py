@@ -15,6 +15,15 @@ verify_block (V 151936, block 16, fp32 logits; greedy, temperature 1, and T 0.7 
   torch_sampled        SGLang's production-style path in plain torch: softmax(logits / T), top-k by
                        torch.topk and top-p renormalised within those candidates (no full-vocabulary
                        sort), multinomial, then the same accept rule.
+block_attention in tree mode (issue 17: the target verifying a draft tree of 15 nodes and its root, each
+node seeing the context and its ancestors; the same shapes, bf16):
+  sdpa_pregathered  SDPA on pre-gathered K/V as above, with the tree as a boolean mask over the block (the
+                    packed query rows of a kv head repeat their node's mask row); FLASH takes no mask, so
+                    the first of EFFICIENT / CUDNN / MATH that runs.
+verify_tree (the same tree, V 151936, fp32 logits; greedy and T 0.7 / top-k 20 / top-p 0.95):
+  torch_walk        greedy: argmax of every node, then the walk from the root in plain torch ops (one
+                    step a depth: the lowest-index child holding its parent's target token).
+  torch_sampled_walk  every node sampled SGLang's way (torch_sampled above), then the same walk.
 Every implementation runs once on the first input set and is compared with sglang_dflash.ops.reference
 (attention: max over (row, head) of the relative L2 error <= 2e-2; verify: exact, with ours checked on
 up to 2 requests of the Python-loop spec when sampling, and the sampled baseline unchecked as it draws
@@ -58,6 +67,7 @@ from provenance import run_info  # bench/ is on sys.path when this file runs as 
 from sglang_dflash import ops
 from sglang_dflash._extension import has_cuda_kernels
 from sglang_dflash.ops import reference
+from sglang_dflash.ops.testing import make_tree
 
 ATTN_SHAPE = dict(hq=32, hkv=8, head_dim=128, block=16)  # Qwen3-8B's draft
 VERIFY_BLOCK = 16
@@ -68,6 +78,8 @@ VERIFY_MODES = {  # (temperature, top_k, top_p)
     "top_k_top_p": (0.7, 20, 0.95),
 }
 SEED = 7
+TREE_NODES = 16  # a 15-node draft tree and its root: the rows a target verifies per request
+TREE_VERIFY_MODES = ("greedy", "top_k_top_p")
 ATTN_TOL = 2e-2  # max per-(row, head) relative error vs the fp32 reference, bf16 inputs
 L2_MULTIPLE = 4  # bytes read between two uses of one input set, in L2 sizes
 L2_FALLBACK_BYTES = 128 << 20  # when torch does not report the L2 size: more than any GPU has today
@@ -76,9 +88,10 @@ SLEEP_CYCLES = 2_000_000  # ~1 ms at 2 GHz: longer than any benchmarked call's h
 LOG2E = 1.4426950408889634
 GOALS = (  # issue 16: (name, which cases, value read off, target)
     ("block_attention HBM fraction, ctx >= 8k",
-     lambda c: c["op"] == "block_attention" and c["ctx"] >= 8192, lambda c: c.get("hbm_fraction"), 0.70),
+     lambda c: c["op"] == "block_attention" and not c.get("tree") and c["ctx"] >= 8192,
+     lambda c: c.get("hbm_fraction"), 0.70),
     ("block_attention speedup vs sdpa_pregathered, bs <= 8",
-     lambda c: c["op"] == "block_attention" and c["bs"] <= 8,
+     lambda c: c["op"] == "block_attention" and not c.get("tree") and c["bs"] <= 8,
      lambda c: c.get("speedup", {}).get("sdpa_pregathered"), 1.5),
     ("sampled verify speedup vs torch_sampled, bs 32, V 151936",
      lambda c: c["op"] == "verify_block" and c["mode"] != "greedy" and c["bs"] == 32 and c["vocab"] == 151_936,
@@ -100,6 +113,16 @@ def attention_cases(quick: bool) -> list[tuple[int, int]]:
 def verify_cases(quick: bool) -> list[tuple[int, str]]:
     """(batch, mode) pairs; --quick keeps the goal's batch of 32."""
     return [(bs, mode) for bs in ((32,) if quick else (1, 8, 32, 128)) for mode in VERIFY_MODES]
+
+
+def tree_attention_cases(quick: bool) -> list[tuple[int, int]]:
+    """(batch, context length) pairs of the tree-mode attention cases."""
+    return [(8, 8192)] if quick else [(bs, ctx) for bs in (1, 8, 32) for ctx in (1024, 8192, 32768)]
+
+
+def tree_verify_cases(quick: bool) -> list[tuple[int, str]]:
+    """(batch, mode) pairs of the verify_tree cases."""
+    return [(bs, mode) for bs in ((32,) if quick else (1, 8, 32, 128)) for mode in TREE_VERIFY_MODES]
 
 
 def block_attention_bytes(bs: int, ctx: int, block: int, hq: int, hkv: int, head_dim: int, elem_bytes: int,
@@ -199,7 +222,7 @@ def case_record(shape: dict, nbytes: int, ours: dict, baselines: dict[str, dict]
 
 def case_label(case: dict) -> str:
     if case["op"] == "block_attention":
-        return f"bs {case['bs']} ctx {case['ctx']}"
+        return f"bs {case['bs']} ctx {case['ctx']}{' tree' if case.get('tree') else ''}"
     return f"bs {case['bs']} {case['mode']}"
 
 
@@ -275,28 +298,62 @@ def gather_kv(cache: torch.Tensor, block_kv: torch.Tensor, req_to_token: torch.T
     return kv.transpose(1, 2)
 
 
+def packed_tree_mask(parents: torch.Tensor, ctx: int, groups: int) -> torch.Tensor:
+    """The tree as SDPA's boolean mask over pack_queries' rows and gather_kv's keys: [bs, 1, N * G,
+    ctx + N], every row seeing the context and its node's ancestors (itself included); row n * G + g
+    is node n's query head g of the kv head."""
+    tree = reference.tree_ancestors(parents)  # [bs, N, N]
+    bs, n, _ = tree.shape
+    context = torch.ones(bs, n, ctx, dtype=torch.bool, device=parents.device)
+    return torch.cat([context, tree], dim=-1).repeat_interleave(groups, dim=1)[:, None]
+
+
+def torch_tree_walk(tokens: torch.Tensor, parents: torch.Tensor, targets: torch.Tensor):
+    """verify_tree_from_ids in plain torch ops, one step a depth for every request at once: move to
+    the lowest-index child of the current node that holds the current node's target token. Returns
+    (accept_len i32 [bs], path i64 [bs, N], out_tokens i64 [bs, N]) in its layout."""
+    bs, n = tokens.shape
+    current = torch.zeros(bs, 1, dtype=torch.int64, device=tokens.device)
+    accept = torch.zeros(bs, 1, dtype=torch.int64, device=tokens.device)
+    steps = []
+    for _ in range(n - 1):
+        match = (parents == current) & (tokens == targets.gather(1, current))
+        found = match.any(dim=1, keepdim=True)
+        current = torch.where(found, match.int().argmax(dim=1, keepdim=True), current)
+        accept += found
+        steps.append(torch.where(found, current, -1))
+    path = torch.cat([torch.zeros_like(current), *steps], dim=1)
+    bonus = targets.gather(1, current)
+    pos = torch.arange(n, device=tokens.device)
+    nodes = path.roll(-1, dims=1).clamp_min(0)  # position i holds the (i + 1)-th node of the path
+    out = torch.where(pos < accept, tokens.gather(1, nodes), -1).scatter(1, accept, bonus)
+    return accept[:, 0].int(), path, out
+
+
 SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
 def sdpa_call(backend: str, scale: float) -> Callable:
-    """F.scaled_dot_product_attention restricted to one backend (raises when it cannot run the inputs)."""
+    """F.scaled_dot_product_attention restricted to one backend (raises when it cannot run the inputs);
+    attn_mask: bool, True where a query may attend."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def call(q, k, v):
+    def call(q, k, v, attn_mask=None):
         with sdpa_kernel([getattr(SDPBackend, backend)]):
-            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
     return call
 
 
-def pick_sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> str:
+def pick_sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      attn_mask: torch.Tensor | None = None) -> str:
     """The first of SDPA_BACKENDS that runs these inputs."""
     reasons = []
     for backend in SDPA_BACKENDS:
         try:
             with warnings.catch_warnings():  # each refusing backend warns why; the reasons are kept below
                 warnings.simplefilter("ignore")
-                sdpa_call(backend, scale)(q, k, v)
+                sdpa_call(backend, scale)(q, k, v, attn_mask)
             return backend
         except RuntimeError as exc:
             reasons.append(f"{backend}: {exc}")
@@ -616,15 +673,33 @@ def after_device_errors(check: Callable) -> Callable:
     return run
 
 
-def verify_check(expected: tuple, rows: int) -> Callable:
+def verify_check(expected: tuple, rows: int, names: str = "accept_len, bonus, out_tokens") -> Callable:
     """check(out) -> (detail, passed): the first `rows` requests of a verify output equal `expected`
-    exactly (accept_len, bonus, out_tokens)."""
+    exactly (`names`: its tensors)."""
 
     def check(out: tuple) -> tuple[str, bool]:
         same = all(torch.equal(o[:rows].cpu(), e.cpu()) for o, e in zip(out, expected, strict=True))
-        return f"accept_len, bonus, out_tokens {'equal' if same else 'DIFFER'} (reference, {rows} requests)", same
+        return f"{names} {'equal' if same else 'DIFFER'} (reference, {rows} requests)", same
 
     return check
+
+
+def verify_params(mode: str, bs: int, dev: torch.device) -> tuple[tuple[float, int, float], dict]:
+    """A verify mode's (temperature, top_k, top_p) and, per request, the tensors the ops take."""
+    t, k, p = VERIFY_MODES[mode]
+    return (t, k, p), dict(temperature=torch.full((bs,), t, device=dev),
+                           top_k=torch.full((bs,), k, dtype=torch.int32, device=dev),
+                           top_p=torch.full((bs,), p, device=dev))  # fmt: skip
+
+
+def add_verify_case(bench: Bench, shape: dict, nbytes: int, sets: list, ours: Callable, ours_check: Callable,
+                    baselines: dict[str, tuple[Callable, Callable | None]]) -> None:
+    """Ours (checked after the device's error record) and each (baseline, check) measured on `sets`,
+    kept as one case."""
+    ours_entry = bench.measure(ours, sets, after_device_errors(ours_check))
+    measured = {name: bench.measure(fn, sets, check) for name, (fn, check) in baselines.items()}
+    bench.add(case_record(shape, nbytes, ours_entry, measured, bench.bw, bench.spec_bw,
+                          rotation_sets=len(sets)))
 
 
 def bench_verify(bench: Bench, cases: Sequence[tuple[int, str]], vocab: int = VOCAB, block: int = VERIFY_BLOCK) -> None:
@@ -643,10 +718,7 @@ def bench_verify(bench: Bench, cases: Sequence[tuple[int, str]], vocab: int = VO
             sets.append((candidates, logits))
         offsets = torch.arange(bs, dtype=torch.int64, device=dev) << 32
         for mode in (m for b, m in cases if b == bs):
-            t, k, p = VERIFY_MODES[mode]
-            params = dict(temperature=torch.full((bs,), t, device=dev),
-                          top_k=torch.full((bs,), k, dtype=torch.int32, device=dev),
-                          top_p=torch.full((bs,), p, device=dev))  # fmt: skip
+            (t, k, p), params = verify_params(mode, bs, dev)
             if mode == "greedy":
                 check_rows = bs
                 expected = reference.verify_block_from_ids(sets[0][0], sets[0][1].argmax(-1))
@@ -659,29 +731,83 @@ def bench_verify(bench: Bench, cases: Sequence[tuple[int, str]], vocab: int = VO
                 )  # fmt: skip
                 k_max = filter_k([k] * bs, [p] * bs, vocab)
                 baselines = {"torch_sampled": (functools.partial(sampled_verify, **params, k_max=k_max), None)}
-            ours = functools.partial(ops.verify_block, **params, seed=SEED, offsets=offsets)
-            ours_entry = bench.measure(ours, sets, after_device_errors(verify_check(expected, check_rows)))
-            record = case_record(
-                dict(op="verify_block", mode=mode, bs=bs, block=block, vocab=vocab, dtype="float32",
-                     temperature=t, top_k=k, top_p=p),
-                nbytes, ours_entry, {name: bench.measure(fn, sets, check) for name, (fn, check) in baselines.items()},
-                bench.bw, bench.spec_bw, rotation_sets=n_sets,
-            )  # fmt: skip
-            bench.add(record)
+            shape = dict(op="verify_block", mode=mode, bs=bs, block=block, vocab=vocab, dtype="float32",
+                         temperature=t, top_k=k, top_p=p)
+            add_verify_case(bench, shape, nbytes, sets, functools.partial(ops.verify_block, **params, seed=SEED,
+                                                                          offsets=offsets),
+                            verify_check(expected, check_rows), baselines)  # fmt: skip
         del sets
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def bench_attention(bench: Bench, cases: Sequence[tuple[int, int]], shape: dict = ATTN_SHAPE) -> None:
+def bench_verify_tree(bench: Bench, cases: Sequence[tuple[int, str]], vocab: int = VOCAB,
+                      nodes: int = TREE_NODES) -> None:
+    dev = bench.device
+    g = torch.Generator(device=dev).manual_seed(2)
+    trees = torch.Generator().manual_seed(3)  # make_tree draws on the CPU
+    for bs in dict.fromkeys(bs for bs, _ in cases):
+        nbytes = verify_bytes(bs, nodes, vocab, 4) + 2 * bs * nodes * 8  # + parents and depths
+        n_sets = rotation_sets(nbytes, bench.l2_bytes)
+        sets = []
+        for _ in range(n_sets):
+            logits = torch.randn(bs * nodes, vocab, device=dev, generator=g) * 4
+            tokens, parents, depths = (t.to(dev) for t in make_tree(bs, nodes, vocab, trees, unused=0.0))
+            # Most nodes hold their parent's greedy target, so greedy walks run several nodes deep.
+            hit = (parents >= 0) & (torch.rand(bs, nodes, device=dev, generator=g) < 0.7)
+            targets = logits.argmax(-1).view(bs, nodes)
+            tokens = torch.where(hit, targets.gather(1, parents.clamp_min(0)), tokens)
+            sets.append((tokens, parents, depths, logits))
+        offsets = torch.arange(bs, dtype=torch.int64, device=dev) << 32
+        names = "accept_len, path, out_tokens"
+        for mode in (m for b, m in cases if b == bs):
+            (t, k, p), params = verify_params(mode, bs, dev)
+            tokens, parents, depths, logits = sets[0]
+            if mode == "greedy":
+                check_rows = bs
+                expected = reference.verify_tree_from_ids(tokens, parents, depths, logits.argmax(-1).view(bs, nodes))
+
+                def walk(tokens, parents, depths, logits):
+                    return torch_tree_walk(tokens, parents, logits.argmax(-1).view(tokens.shape))
+
+                baselines = {"torch_walk": (walk, verify_check(expected, bs, names))}
+            else:  # the Python-loop spec costs ~ms per row: ours is checked on its first requests
+                check_rows = min(bs, 2)
+                expected = reference.verify_tree(
+                    tokens[:check_rows], parents[:check_rows], depths[:check_rows], logits[: check_rows * nodes],
+                    *(v[:check_rows] for v in params.values()), SEED, offsets[:check_rows],
+                )  # fmt: skip
+                k_max = filter_k([k] * bs, [p] * bs, vocab)
+
+                def walk(tokens, parents, depths, logits, k_max=k_max, params=params):
+                    return torch_tree_walk(tokens, parents,
+                                           sampled_targets(logits, **params, k_max=k_max).view(tokens.shape))
+
+                baselines = {"torch_sampled_walk": (walk, None)}
+            shape = dict(op="verify_tree", mode=mode, bs=bs, nodes=nodes, vocab=vocab, dtype="float32",
+                         temperature=t, top_k=k, top_p=p)
+            add_verify_case(bench, shape, nbytes, sets, functools.partial(ops.verify_tree, **params, seed=SEED,
+                                                                          offsets=offsets),
+                            verify_check(expected, check_rows, names), baselines)  # fmt: skip
+        del sets
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bench_attention(bench: Bench, cases: Sequence[tuple[int, int]], shape: dict = ATTN_SHAPE,
+                    tree: bool = False) -> None:
+    """block_attention against its baselines; `tree`: in tree mode, each request's block a random
+    draft tree (make_tree) of shape["block"] nodes, against masked SDPA only (the Triton kernel has no
+    tree mode)."""
     hq, hkv, d, block = shape["hq"], shape["hkv"], shape["head_dim"], shape["block"]
     scale = d**-0.5
     dtype = torch.bfloat16
     dev = bench.device
     g = torch.Generator(device=dev).manual_seed(0)
+    tree_gen = torch.Generator().manual_seed(4)  # make_tree draws on the CPU
 
-    def case_bytes(bs, ctx):
-        return block_attention_bytes(bs, ctx, block, hq, hkv, d, dtype.itemsize)
+    def case_bytes(bs, ctx):  # a tree's parents add bs * block int64
+        return block_attention_bytes(bs, ctx, block, hq, hkv, d, dtype.itemsize) + (bs * block * 8 if tree else 0)
 
     # One cache for all cases, big enough for the largest case's rotation: each input set reads its own
     # (random) slots of it.
@@ -705,22 +831,31 @@ def bench_attention(bench: Bench, cases: Sequence[tuple[int, int]], shape: dict 
             # The dense baseline's inputs, gathered here, outside the timing.
             dense_sets.append((pack_queries(q, block, hkv), gather_kv(k_cache, kb, table, pools, ctx, block),
                                gather_kv(v_cache, vb, table, pools, ctx, block)))  # fmt: skip
+            if tree:  # the tree goes last in both: block_attention's tree_parents, SDPA's attn_mask
+                parents = make_tree(bs, block, 100, tree_gen, unused=0.0)[1].to(dev)
+                sets[-1] += (parents,)
+                dense_sets[-1] += (packed_tree_mask(parents, ctx, hq // hkv),)
         del slots
-        ref = reference.block_attention(*sets[0], block, scale)
-        ours = functools.partial(ops.block_attention, block_size=block, sm_scale=scale)
+
+        def ours(*args):
+            return ops.block_attention(*args[:8], block, scale, tree_parents=args[8] if tree else None)
+
+        ref = reference.block_attention(*sets[0][:8], block, scale, tree_parents=sets[0][8] if tree else None)
         ours_entry = bench.measure(ours, sets, after_device_errors(attention_check(ref)))
         baselines = {}
         try:
-            backend = pick_sdpa_backend(*dense_sets[0], scale)
+            backend = pick_sdpa_backend(*dense_sets[0][:3], scale, *dense_sets[0][3:])
             baselines["sdpa_pregathered"] = bench.measure(sdpa_call(backend, scale), dense_sets,
                                                           attention_check(ref, block), backend=backend)  # fmt: skip
         except RuntimeError as exc:
             baselines["sdpa_pregathered"] = {"error": str(exc)[:500]}
-        splits = triton_num_splits(bs, hkv, ctx, bench.props.multi_processor_count)
-        triton = functools.partial(triton_block_attention, block_size=block, sm_scale=scale, n_splits=splits)
-        baselines["triton_split_kv"] = bench.measure(triton, sets, attention_check(ref), splits=splits)
+        if not tree:
+            splits = triton_num_splits(bs, hkv, ctx, bench.props.multi_processor_count)
+            triton = functools.partial(triton_block_attention, block_size=block, sm_scale=scale, n_splits=splits)
+            baselines["triton_split_kv"] = bench.measure(triton, sets, attention_check(ref), splits=splits)
         record = case_record(
-            dict(op="block_attention", bs=bs, ctx=ctx, **shape, dtype="bfloat16", causal_block=False, window=-1),
+            dict(op="block_attention", bs=bs, ctx=ctx, **shape, dtype="bfloat16", causal_block=False, window=-1,
+                 tree=tree),
             nbytes, ours_entry, baselines, bench.bw, bench.spec_bw,
             flops=block_attention_flops(bs, ctx, block, hq, d), rotation_sets=n_sets,
         )  # fmt: skip
@@ -783,6 +918,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one case per goal (about a minute)")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-verify", action="store_true")
+    parser.add_argument("--skip-trees", action="store_true", help="no tree-mode attention or verify_tree cases")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit(NO_CUDA.format(torch=torch.__version__, cuda=torch.version.cuda))
@@ -794,8 +930,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Verify first: it is the shorter half, and the attention grid's largest cases come last.
     if not args.skip_verify:
         bench_verify(bench, verify_cases(args.quick))
+        if not args.skip_trees:
+            bench_verify_tree(bench, tree_verify_cases(args.quick))
     if not args.skip_attention:
         bench_attention(bench, attention_cases(args.quick))
+        if not args.skip_trees:
+            bench_attention(bench, tree_attention_cases(args.quick), tree=True)
 
     return finish(bench)
 

@@ -1,7 +1,8 @@
 """bench/bench_kernels.py without a GPU: case lists, byte counts, input rotation, statistics, records
 and goals; the torch baselines (SDPA on packed queries, the vectorised accept, the sampled path) against
 the reference on the CPU; the Triton split-KV kernel under TRITON_INTERPRET=1; the timing loop with
-CUDA faked; both benchmarks' plumbing on tiny CPU shapes; and the script's one-line refusal where
+CUDA faked; the benchmarks' plumbing on tiny CPU shapes (trees too: the masked SDPA and the torch walk
+against the reference); and the script's one-line refusal where
 there is no CUDA device."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from sglang_dflash.ops import reference
+from sglang_dflash.ops.testing import make_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -174,6 +176,38 @@ def test_sdpa_on_packed_queries_and_gathered_kv_is_block_attention():
     assert bk.attention_check(ref, block)(out)[1]
 
 
+def test_masked_sdpa_on_packed_queries_is_tree_mode_block_attention():
+    block, hkv, hq, ctx = 6, 2, 6, 29
+    args = _paged_case(3, [ctx] * 3, block, hq, hkv, 16, torch.float32)
+    q, kb, vb, k_cache, v_cache, table, pools, _ = args
+    parents = make_tree(3, block, 50, torch.Generator().manual_seed(1), unused=0.0)[1]
+    assert (parents[:, 1:] >= 0).any() and (parents[:, 2:] > 0).any()  # branches below the root
+    ref = reference.block_attention(*args, block, 0.3, tree_parents=parents)
+    mask = bk.packed_tree_mask(parents, ctx, hq // hkv)
+    dense = (bk.pack_queries(q, block, hkv), bk.gather_kv(k_cache, kb, table, pools, ctx, block),
+             bk.gather_kv(v_cache, vb, table, pools, ctx, block), mask)  # fmt: skip
+    assert mask.shape == (3, 1, block * hq // hkv, ctx + block)
+    backend = bk.pick_sdpa_backend(*dense[:3], 0.3, mask)
+    out = bk.sdpa_call(backend, 0.3)(*dense)
+    assert bk.max_rel_err_per_row_head(bk.unpack_out(out, block), ref) < 1e-5
+    unmasked = bk.sdpa_call(backend, 0.3)(*dense[:3])  # the mask matters: without it, another result
+    assert bk.max_rel_err_per_row_head(bk.unpack_out(unmasked, block), ref) > 1e-2
+
+
+def test_torch_tree_walk_is_the_reference_walk():
+    g = torch.Generator().manual_seed(0)
+    bs, nodes = 64, 12
+    tokens, parents, depths = make_tree(bs, nodes, 6, g, unused=0.1)
+    targets = torch.randint(0, 6, (bs, nodes), generator=g)
+    for b, i in itertools.product(range(bs), range(1, nodes)):  # most nodes hold their parent's target
+        if parents[b, i] >= 0 and torch.rand((), generator=g) < 0.7:
+            targets[b, parents[b, i]] = tokens[b, i]
+    got = bk.torch_tree_walk(tokens, parents, targets)
+    want = reference.verify_tree_from_ids(tokens, parents, depths, targets)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want, strict=True))
+    assert int(got[0].max()) >= 3 and int(got[0].min()) == 0
+
+
 def test_vectorised_accept_is_the_reference_accept():
     g = torch.Generator().manual_seed(0)
     bs, block = 64, 8
@@ -282,10 +316,8 @@ def test_without_cuda_the_script_says_so_in_one_line():
     assert proc.stderr.strip().splitlines() == [bk.NO_CUDA.format(torch=torch.__version__, cuda=torch.version.cuda)]
 
 
-def test_benchmark_plumbing_on_the_cpu(tmp_path, capsys):
-    """Both benchmarks end to end on tiny shapes on the CPU, a stand-in timer calling each input set once:
-    every implementation is checked against the reference and recorded, a baseline that raises (Triton
-    cannot launch on CPU tensors) is a failure of its case, and the JSON holds the cases and goals."""
+def cpu_bench(tmp_path):
+    """A Bench on the CPU with a stand-in timer that calls each input set once; its JSON path."""
 
     def timer(fn, sets, sleep_ms):
         for args in sets:
@@ -296,6 +328,14 @@ def test_benchmark_plumbing_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench = bk.Bench(str(out), props, l2_bytes=64 << 10, sleep_ms=1.0, bw=1e10, spec_bw=None,
                      result=dict(device={}, cases=[]), device=torch.device("cpu"), timer=timer)  # fmt: skip
+    return bench, out
+
+
+def test_benchmark_plumbing_on_the_cpu(tmp_path, capsys):
+    """Both benchmarks end to end on tiny shapes on the CPU (cpu_bench's stand-in timer):
+    every implementation is checked against the reference and recorded, a baseline that raises (Triton
+    cannot launch on CPU tensors) is a failure of its case, and the JSON holds the cases and goals."""
+    bench, out = cpu_bench(tmp_path)
     bk.bench_verify(bench, [(3, mode) for mode in bk.VERIFY_MODES], vocab=1000, block=4)
     bk.bench_attention(bench, [(2, 40)], shape=dict(hq=4, hkv=2, head_dim=32, block=4))
     assert bk.finish(bench) == 1  # the Triton baseline failed
@@ -317,6 +357,27 @@ def test_benchmark_plumbing_on_the_cpu(tmp_path, capsys):
     assert [g["case"] for g in result["goals"]] == ["bs 2 ctx 40"] and result["complete"]
     printed = capsys.readouterr().out
     assert "FAILED triton_split_kv" in printed and "1 failures" in printed
+
+
+def test_tree_benchmarks_plumbing_on_the_cpu(tmp_path):
+    """verify_tree and tree-mode block_attention end to end on tiny CPU shapes (cpu_bench's stand-in
+    timer): ours and every baseline checked against the reference pass, the sampled walk is timed
+    unchecked, the tree cases count toward no attention goal, and nothing fails."""
+    bench, out = cpu_bench(tmp_path)
+    bk.bench_verify_tree(bench, [(3, mode) for mode in bk.TREE_VERIFY_MODES], vocab=50, nodes=6)
+    bk.bench_attention(bench, [(2, 40)], shape=dict(hq=4, hkv=2, head_dim=32, block=6), tree=True)
+    assert bk.finish(bench) == 0
+    result = json.loads(out.read_text())
+    greedy, sampled, attention = result["cases"]
+    assert greedy["ours"]["check"] == "accept_len, path, out_tokens equal (reference, 3 requests)"
+    assert greedy["baselines"]["torch_walk"]["check"] == greedy["ours"]["check"]
+    assert sampled["ours"]["check"] == "accept_len, path, out_tokens equal (reference, 2 requests)"
+    assert "median_ms" in sampled["baselines"]["torch_sampled_walk"]
+    assert attention["tree"] and list(attention["baselines"]) == ["sdpa_pregathered"]
+    assert attention["ours"]["check"].startswith("max per-(row, head) relative error")
+    assert "median_ms" in attention["baselines"]["sdpa_pregathered"] and attention["failures"] == []
+    assert result["goals"] == [] and result["failures"] == []
+    assert bk.case_label(attention) == "bs 2 ctx 40 tree"
 
 
 def test_time_calls_rotates_sets_through_warmup_and_timing(monkeypatch):
