@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,8 +29,24 @@ EP_VALUE = "sglang_dflash.sglang.plugin:register"
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
 
+# Servers' HTTP ports come from here: below Linux's default ephemeral range (32768+), where no
+# connect() or bind(0) lands, and off SGLang's own pick for its NCCL/gloo port (22000-29999). A port from bind(0)
+# was free when picked, but the server binds it only after loading its model, tens of seconds later,
+# and meanwhile any client connection (our readiness polls of another server included) may take it
+# as its local port: a CI run lost a server to "address already in use" so.
+SERVER_PORTS = range(10000, 22000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nobody listens on now, that the kernel does not hand out to other sockets."""
+    for port in random.sample(SERVER_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -108,6 +125,8 @@ class LocalServer:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} server exited ({self.proc.returncode}):\n{self.text()[-4000:]}")
+            if "address already in use" in self.text():  # uvicorn could not bind, yet the process stays
+                raise RuntimeError(f"{self.name} server: port {self.port} taken:\n{self.text()[-4000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
                     if r.status == 200:

@@ -1,0 +1,34 @@
+"""sglang_dflash/sglang/local_server.py's port choice and start-up failure detection, with stand-in
+processes instead of SGLang servers (what is tested is the harness, not SGLang)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+import pytest
+
+from sglang_dflash.sglang.local_server import SERVER_PORTS, LocalServer, free_port
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_bindable():
+    ports = {free_port() for _ in range(20)}
+    assert all(p in SERVER_PORTS for p in ports) and len(ports) > 1  # random, not one fixed port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_a_server_that_cannot_bind_its_port_fails_at_once(tmp_path):
+    """uvicorn logs the failed bind and the process lingers: the wait must end on the log line, not
+    at the deadline."""
+    code = ("import time; print('ERROR:    [Errno 98] error while attempting to bind on address "
+            "(\\'127.0.0.1\\', 12345): address already in use', flush=True); time.sleep(120)")
+    server = LocalServer("stand-in", [sys.executable, "-c", code, "--port", "12345"], {}, tmp_path / "s.log")
+    try:
+        started = time.time()
+        with pytest.raises(RuntimeError, match="stand-in server: port 12345 taken"):
+            server.wait_ready(time.time() + 100)
+        assert time.time() - started < 30
+    finally:
+        server.stop()
