@@ -42,18 +42,17 @@ def drafters(target: HFTarget, plain) -> dict:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", [
-    dict(block_size=4),
-    dict(block_size=8, tree_budget=6, tree_topk=3, tree_min_prob=0.0),
-    dict(block_size=8, tree_budget=12, tree_topk=4),
-    dict(block_size=8, adaptive=True, tree_budget=DEFAULT_TREE_BUDGET),
+@pytest.mark.parametrize("block_size,mode", [
+    (4, dict()),
+    (8, dict(tree_budget=6, tree_topk=3, tree_min_prob=0.0)),
+    (8, dict(tree_budget=12, tree_topk=4)),
+    (8, dict(adaptive=True, tree_budget=DEFAULT_TREE_BUDGET)),
 ], ids=["chain", "tree6", "tree12-bounded", "adaptive"])
-def test_greedy_output_equals_plain_greedy_decoding(device, mode):
+def test_greedy_output_equals_plain_greedy_decoding(device, block_size, mode):
     target = on_device(device)
     params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(STOP_TOKEN,))
     plain = Generator(target, NoDrafter(), 1).generate(PROMPTS, params)
     assert all(len(r.output_ids) > 1 for r in plain)  # else there was nothing to verify
-    block_size = mode.pop("block_size")
     for name, drafter in drafters(target, plain).items():
         spec = Generator(target, drafter, block_size, **mode).generate(PROMPTS, params)
         assert [r.output_ids for r in spec] == [r.output_ids for r in plain], name
