@@ -442,6 +442,28 @@ def summarize(specs: list[Spec], results: list, eos_ids: set[int], context_lengt
             "requests_with_problems": len(problems), "problems": problems[:100]}
 
 
+def step_mix(results: list) -> dict:
+    """Which kind of decode step committed the answers' tokens, from the per-token meta_info the
+    DFLASH worker reports (adaptive.py's block sizes, trees.py's tree nodes): so the report says
+    what the soak exercised (the CPU server's default mixes plain steps, chains and trees). Tokens
+    from a prefill (block size 0) and answers without the lists are left out."""
+    tokens = {"plain": 0, "chain": 0, "tree": 0}
+    tree_sizes: dict[int, int] = {}
+    for result in results:
+        answer = (result or {}).get("answer")
+        for one in answer if isinstance(answer, list) else [answer] if answer else []:
+            meta = one.get("meta_info") or {}
+            sizes = meta.get("dflash_block_size") or []
+            nodes = meta.get("dflash_tree_nodes") or [0] * len(sizes)
+            for b, n in zip(sizes, nodes, strict=False):
+                if n:
+                    tokens["tree"] += 1
+                    tree_sizes[n] = tree_sizes.get(n, 0) + 1
+                elif b:
+                    tokens["plain" if b == 1 else "chain"] += 1
+    return {"tokens_by_step": tokens, "tree_tokens_by_nodes": dict(sorted(tree_sizes.items()))}
+
+
 def verdicts(summary: dict, idle: dict, rss: dict, alive_after: bool, shutdown: dict, parity: dict | None,
              args) -> dict[str, bool]:
     checks = {
@@ -520,6 +542,7 @@ def main() -> None:
             f.write(json.dumps({"id": spec.id, "kind": spec.kind, "stream": spec.stream, "body": body,
                                 "result": result}) + "\n")
     summary = summarize(specs, results, eos_ids, args.context_length)
+    summary["step_mix"] = step_mix(results)
     parity = None if args.no_parity else greedy_parity(args, target, specs, results, tmp, extra, tokenizer)
     checks = verdicts(summary, idle, rss, alive_after, shutdown, parity, args)
 
@@ -535,7 +558,7 @@ def main() -> None:
                                "greedy_parity": parity}, indent=1))
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
-    print(json.dumps({"by_kind": summary["by_kind"], "idle": idle, "rss_growth_mb": round(rss["growth_mb"], 1),
+    print(json.dumps({"by_kind": summary["by_kind"], "step_mix": summary["step_mix"], "idle": idle, "rss_growth_mb": round(rss["growth_mb"], 1),
                       "shutdown": {k: shutdown[k] for k in ("clients_hung", "processes_left_after_exit",
                                                             "seconds_to_exit")},
                       "parity": parity and {k: parity[k] for k in ("compared", "equal", "near_ties")}}, indent=1))

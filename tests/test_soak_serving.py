@@ -131,3 +131,14 @@ def test_an_answer_missing_fields_is_a_finding_and_an_abort_while_queued_is_fine
     assert any("without prompt_tokens" in p for p in _check(_spec(), no_prompt_tokens, {EOS}))
     summary = soak.summarize([_spec()], [{"status": 200, "answer": "not a dict"}], {EOS}, CONTEXT)
     assert summary["requests_with_problems"] == 1 and "unreadable answer" in summary["problems"][0]["problems"][0]
+
+
+def test_the_step_mix_counts_each_decode_token_by_its_step():
+    # Prefill token (0), plain step, a chain of 4 committing 2, a tree of 7 committing 3; an n > 1
+    # answer (a list) and a lost request count too, an answer without the lists adds nothing.
+    one = _answer([1, 2, 3, 4, 5, 6, 7], dflash_block_size=[0, 1, 4, 4, 8, 8, 8],
+                  dflash_tree_nodes=[0, 0, 0, 0, 7, 7, 7])
+    chains_only = _answer([1, 2], dflash_block_size=[0, 3])["answer"]
+    results = [one, {"status": 200, "answer": [chains_only, chains_only]}, None, _answer([9])]
+    assert soak.step_mix(results) == {"tokens_by_step": {"plain": 1, "chain": 4, "tree": 3},
+                                      "tree_tokens_by_nodes": {7: 3}}
