@@ -558,7 +558,8 @@ def main() -> None:
                                "greedy_parity": parity}, indent=1))
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
-    print(json.dumps({"by_kind": summary["by_kind"], "step_mix": summary["step_mix"], "idle": idle, "rss_growth_mb": round(rss["growth_mb"], 1),
+    print(json.dumps({"by_kind": summary["by_kind"], "step_mix": summary["step_mix"], "idle": idle,
+                      "rss_growth_mb": round(rss["growth_mb"], 1),
                       "shutdown": {k: shutdown[k] for k in ("clients_hung", "processes_left_after_exit",
                                                             "seconds_to_exit")},
                       "parity": parity and {k: parity[k] for k in ("compared", "equal", "near_ties")}}, indent=1))

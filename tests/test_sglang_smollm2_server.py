@@ -140,7 +140,8 @@ def runs(tmp_path_factory):
     prompts, short = _prompts(target), _chat(target, SHORT_ANSWER_PROMPTS)
     plain = _serve("plain", target, None, tmp, prompts, short)
     dflash = _serve("dflash", target, draft, tmp, prompts, short)
-    # Every decode step a tree of TREE_NODES nodes where the batch allows one (logprobs do not).
+    # Every decode step a tree of TREE_NODES nodes where the batch allows one (grammar and sampling
+    # masks do not; logprobs do, their rows moved into path order).
     trees = _serve("dflash-trees", target, draft, tmp, prompts, short, SGLANG_DFLASH_ADAPTIVE="0",
                    SGLANG_DFLASH_TREE_BUDGET=str(TREE_NODES))
     return plain, dflash, trees

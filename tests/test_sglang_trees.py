@@ -260,21 +260,45 @@ def test_tree_settings(monkeypatch):
     assert trees.tree_options(8, 100) == (7, 2)
 
 
-def test_a_sliding_window_target_is_refused_at_start_up(monkeypatch):
-    """tree_problem on a stand-in worker (only what it reads past adaptive_problem, which needs a
-    running server and is stubbed here): a target layer with a sliding window refuses trees (the
-    tree mode has no window), the same layer without one passes that check."""
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+def _tree_worker(monkeypatch, backend, window=-1, tp_size=1, mamba=False):
+    """A stand-in worker with what tree_problem reads past adaptive_problem (which needs a running
+    server and is stubbed here): one real RadixAttention target layer, a real backend class."""
     from sglang.srt.layers.radix_attention import RadixAttention
 
     from sglang_dflash.sglang import adaptive
 
     monkeypatch.setattr(adaptive, "adaptive_problem", lambda worker: None)
     model = torch.nn.Module()
-    model.attn = RadixAttention(2, 8, 0.3, 2, layer_id=0, sliding_window_size=4)
-    runner = types.SimpleNamespace(model=model, attn_backend=object.__new__(TorchNativeAttnBackend))
-    worker = types.SimpleNamespace(_tp_size=lambda: 1, _need_mamba_verify_commit=False,
-                                   target_worker=types.SimpleNamespace(model_runner=runner))
-    assert "sliding-window attention" in trees.tree_problem(worker)
-    model.attn.sliding_window_size = -1
-    assert "sliding-window" not in (trees.tree_problem(worker) or "")
+    model.attn = RadixAttention(2, 8, 0.3, 2, layer_id=0, sliding_window_size=window)
+    runner = types.SimpleNamespace(model=model, attn_backend=object.__new__(backend))
+    return types.SimpleNamespace(_tp_size=lambda: tp_size, _need_mamba_verify_commit=mamba,
+                                 target_worker=types.SimpleNamespace(model_runner=runner))
+
+
+def test_a_sliding_window_target_is_refused_at_start_up(monkeypatch):
+    """A target layer with a sliding window refuses trees (the tree mode has no window), the same
+    layer without one passes that check."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    assert "sliding-window attention" in trees.tree_problem(_tree_worker(monkeypatch, TorchNativeAttnBackend, 4))
+    assert "sliding-window" not in (trees.tree_problem(_tree_worker(monkeypatch, TorchNativeAttnBackend)) or "")
+
+
+@pytest.mark.parametrize("backend", ["flashinfer_backend.FlashInferAttnBackend", "triton_backend.TritonAttnBackend"])
+def test_gpu_attention_backends_refuse_trees(monkeypatch, backend):
+    """SGLang's GPU backends verify a DFLASH block under a causal mask (and replay CUDA graphs
+    captured without a tree mask): a tree verified there would be lossy, so the worker must run
+    chains. The real backend classes, imported on the CPU (their kernels never run here)."""
+    import importlib
+
+    module, name = backend.rsplit(".", 1)
+    cls = getattr(importlib.import_module(f"sglang.srt.layers.attention.{module}"), name)
+    assert trees.tree_problem(_tree_worker(monkeypatch, cls)) == (
+        f"the target's attention backend {name} has no tree mask (CPU's torch_native runs ours)")
+
+
+def test_tensor_parallel_and_mamba_targets_refuse_trees(monkeypatch):
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    assert "tensor parallelism" in trees.tree_problem(_tree_worker(monkeypatch, TorchNativeAttnBackend, tp_size=2))
+    assert "Mamba" in trees.tree_problem(_tree_worker(monkeypatch, TorchNativeAttnBackend, mamba=True))
