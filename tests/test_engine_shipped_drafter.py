@@ -2,7 +2,7 @@
 output equals plain batch-1 decoding and seeded sampled output equals seeded plain batch-1
 sampling, token for token, at B=4 and at B=8 (32 verify rows a step, past the few-row path), and
 the code-and-math drafter earns its keep (tau >= 1.5 at B=4 on real GSM8K and code prompts), in
-bf16 and with int8 weights; the chat drafter (int8, B=4) on the same prompts."""
+bf16 and with int8 weights."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.demo import DEMO_PROMPTS
-from sglang_dflash.drafters import CHAT_DRAFTER, SHIPPED_DRAFTER, resolve_draft
+from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine import Generator, SamplingParams, load_drafter
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.generator import encode_prompt
@@ -22,8 +22,7 @@ MAX_NEW = 40
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=())  # never stop early: 40 tokens each
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.95, seed=7, max_new_tokens=MAX_NEW, stop_token_ids=())
 # (drafter, weight dtype, block size): the fixture loads each (drafter, dtype) once.
-CASES = [(SHIPPED_DRAFTER, "bfloat16", 4), (SHIPPED_DRAFTER, "bfloat16", 8), (SHIPPED_DRAFTER, "int8", 4),
-         (CHAT_DRAFTER, "int8", 4)]
+CASES = [(SHIPPED_DRAFTER, "bfloat16", 4), (SHIPPED_DRAFTER, "bfloat16", 8), (SHIPPED_DRAFTER, "int8", 4)]
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SHIPPED_DRAFTER = "smollm2-135m-dflash-b8"  # for the packaged smollm2-135m target: code and math
-# The same drafter fine-tuned on the target's sampled chat answers: for chat traffic (its model card
-# has both drafters side by side on code, math and chat).
-CHAT_DRAFTER = "smollm2-135m-dflash-b8-chat"
-SHIPPED_DRAFTERS = {name: Path(__file__).parent / name for name in (SHIPPED_DRAFTER, CHAT_DRAFTER)}
+SHIPPED_DRAFTERS = {name: Path(__file__).parent / name for name in (SHIPPED_DRAFTER,)}
 # What a drafter's weights may run in (engine.load_drafter): int8 is weight-only (bf16 activations);
 # auto is int8 on the CPU and bfloat16 elsewhere.
 DRAFT_DTYPES = ("auto", "bfloat16", "float32", "int8")
