@@ -58,13 +58,13 @@ MANIFEST = {
         ("serving_smollm2-135m.png",)),
     "soak_smollm2-135m.json": Entry("make soak", "a DFLASH server under 1,000 varied requests and faults"),
     "engine_cpu.json": Entry(
-        "python bench/bench_engine.py", "engine, CPU: per-step overhead with an oracle drafter (tau = B)"),
+        "bench_engine.py (no make target)", "engine, CPU: per-step overhead with an oracle drafter (tau = B)"),
     "cpu_ops.json": Entry("make bench", "CPU kernels against torch on SmolLM2's shapes"),
     "bench_kernels_h200.json": Entry(
-        "make gpu-check (its bench stage: python bench/bench_kernels.py)", "CUDA kernels against torch, SDPA and "
+        "make gpu-check (its bench stage)", "CUDA kernels against torch, SDPA and "
         "Triton on an H200"),
     "gpu_check_h200.json": Entry("make gpu-check (its summary.json)", "the GPU check's stages on an H200"),
-    "gpu_smoke_h200.json": Entry("make gpu-check (its smoke.json: python bench/gpu_smoke.py)",
+    "gpu_smoke_h200.json": Entry("make gpu-check (its smoke stage)",
                                  "each CUDA op against the reference on an H200"),
 }
 
