@@ -2,7 +2,7 @@
 difference between that torch and the one installed here is found on this CPU machine, not in a
 short GPU window.
 
-    python scripts/check_device_build.py [--torch-version 2.11.0] [--arch 90] [--installed-torch]
+    python scripts/check_device_build.py [--torch-version 2.11.0] [--arch 90] [--installed-torch] [FILE.cu ...]
 
 Only the wheel's `torch/include/` (plus `version.py` and `utils/cpp_extension.py`) is read, by HTTP
 range requests on the ~500 MB wheel on PyPI (about 10 MB travel); when the server refuses ranges
@@ -215,6 +215,7 @@ def main() -> int:
     parser.add_argument("--arch", default="90", help="one compute capability without the dot (default 90)")
     parser.add_argument("--installed-torch", action="store_true",
                         help="this Python's torch instead of a downloaded one (--torch-version is ignored)")
+    parser.add_argument("sources", nargs="*", help="the .cu files to compile (default: all of csrc/cuda/*.cu)")
     args = parser.parse_args()
     if shutil.which("nvcc") is None:
         sys.exit("check_device_build: nvcc is not on PATH; it is needed to compile the CUDA sources")
@@ -250,7 +251,7 @@ def main() -> int:
         include, os.path.join(include, "torch", "csrc", "api", "include"), sysconfig.get_paths()["include"]]
     arch = f"-gencode=arch=compute_{args.arch},code=sm_{args.arch}"
     command = ["nvcc", *torch_nvcc_flags, *SETUP_NVCC_FLAGS, arch] + [f"-I{d}" for d in include_dirs]
-    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    sources = [os.path.abspath(s) for s in args.sources] or sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
     if not sources:
         sys.exit("check_device_build: no csrc/cuda/*.cu found")
     nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout

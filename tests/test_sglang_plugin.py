@@ -287,6 +287,7 @@ def _bare_worker(cls, block_size, *, random_seed=1234, device="cpu",
     from sglang_dflash.sglang.worker import DFlashKernelWorker
 
     w = object.__new__(cls)
+    w._dflash_device = torch.device(device)
     w._target_worker = types.SimpleNamespace(random_seed=random_seed)  # TpModelWorker's resolved seed
     w.device = device
     w.block_size = block_size
@@ -796,37 +797,57 @@ class _RecordingReq:
 
     def __init__(self):
         self.aborted = None
+        self.done = False
+
+    def finished(self):
+        return self.done
 
     def set_finish_with_abort(self, error_msg, status_code, err_type):
         self.aborted = (error_msg, int(status_code), err_type)
 
 
 def test_a_device_index_error_aborts_the_steps_requests_and_the_server_serves_on(monkeypatch):
-    """A CUDA kernel's recorded out-of-range index (read by ops.check_device_errors) ends the step's
-    requests with HTTP 500 naming it, instead of killing the scheduler. No GPU here: the device is
-    named "cuda" on a bare worker and the record read is replaced by one that raises as the real
-    one does (the real read is tested in tests/test_ops_index_errors.py on CPU and CUDA)."""
+    """A CUDA kernel's recorded out-of-range index ends the requests of the step it was found after
+    with HTTP 500 naming it, instead of killing the scheduler, and without a host sync per step: the
+    record is snapshotted per step and step N's snapshot is read after step N + 1 is queued (overlap
+    scheduling). No GPU here: the worker's device is named "cuda" and the extension's two snapshot
+    ops are a stand-in stream (tests/test_ops_error_watch.py); the real ops run in gpu_check."""
     from sglang_dflash import ops
+    from sglang_dflash.ops.error_watch import DeviceErrorWatch
+    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from tests.test_ops_error_watch import StandInStream
+
+    def no_sync(*args):
+        raise AssertionError("the served step must not call the syncing check_device_errors")
+
+    monkeypatch.setattr(ops, "check_device_errors", no_sync)
+    error = "sglang_dflash.verify_block: candidates[1, 3] = 99999 is outside the vocabulary [0, 64)"
+    stream = StandInStream(errors_after_step={1: error})
+    w = _bare_worker(DFlashKernelWorker, 8)
+    w._device_errors = DeviceErrorWatch(torch.device("cuda", 0), lag=1, backend=stream)
+    steps = [[_RecordingReq(), _RecordingReq()] for _ in range(4)]
+    finished = _RecordingReq()
+    finished.done = True
+    steps[1].append(finished)
+    for i, reqs in enumerate(steps):
+        w._abort_on_device_errors(reqs)
+        stream.run_one_step()
+        if i == 1:  # step 1's error is not read before step 2 is queued
+            assert all(req.aborted is None for req in reqs)
+    assert stream.snapshots == len(steps) and stream.waits_on_newest == 0
+    for i, reqs in enumerate(steps):
+        for req in reqs:
+            if i == 1 and req is not finished:
+                message, status, _ = req.aborted
+                assert status == 500 and error in message and "not valid" in message
+            else:
+                assert req.aborted is None  # other steps, and a request that had finished already
+
+
+def test_no_device_error_watch_where_nothing_of_ours_can_record_one():
+    """On CPU our kernels raise at the call, and a CUDA worker that runs none of our kernels has
+    nothing to read: no watch, no snapshot, no sync."""
     from sglang_dflash.sglang.worker import DFlashKernelWorker
 
-    error = "sglang_dflash.verify_block: candidates[1, 3] = 99999 is outside the vocabulary [0, 64)"
-    calls = []
-
-    def check(device):
-        calls.append(device)
-        raise RuntimeError(error)
-
-    monkeypatch.setattr(ops, "check_device_errors", check)
-    w = _bare_worker(DFlashKernelWorker, 8)
-    reqs = [_RecordingReq(), _RecordingReq()]
-    w._dflash_device = torch.device("cuda", 0)
-    w._abort_on_device_errors(reqs)
-    assert calls == [torch.device("cuda", 0)]
-    for req in reqs:
-        message, status, _ = req.aborted
-        assert status == 500 and error in message and "not valid" in message
-    # On CPU our kernels raise at the call: nothing to read, no sync, no abort.
-    w._dflash_device = torch.device("cpu")
-    cpu_reqs = [_RecordingReq()]
-    w._abort_on_device_errors(cpu_reqs)
-    assert len(calls) == 1 and cpu_reqs[0].aborted is None
+    assert _bare_worker(DFlashKernelWorker, 8)._device_errors is None
+    assert _bare_worker(DFlashKernelWorker, 8, device="cuda:0", kernel_ops=())._device_errors is None

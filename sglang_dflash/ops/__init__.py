@@ -5,6 +5,7 @@ values) and raises one ValueError naming the bad argument. On CUDA the index val
 the kernels themselves (on the host that would cost a device sync per call): a kernel that finds one
 out of range records it, skips what it would address and goes on, and `check_device_errors()` raises
 it, with the text the CPU raises, as a RuntimeError (call it where the caller synchronizes anyway).
+A server step reads the record without a host sync through `error_watch.DeviceErrorWatch`.
 
 An op whose kernel failed the start-up self-test on a device (`self_test.py`) runs the
 pure-PyTorch reference there instead: slower, same result.
@@ -18,7 +19,7 @@ import torch
 
 from sglang_dflash._extension import has_cuda_kernels
 from sglang_dflash._extension import ops as _ops
-from sglang_dflash.ops import reference
+from sglang_dflash.ops import reference, variants
 
 __all__ = [
     "bf16_dot_isa",
@@ -126,10 +127,11 @@ def block_attention(
     """
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
-    return _impl("block_attention", q.device)(
-        q, k_block, v_block, k_cache, v_cache, req_to_token, req_pool_indices, ctx_lens,
-        int(block_size), float(sm_scale), int(window), bool(causal_block), tree_parents,
-    )
+    with variants.for_call("block_attention", q.device, q.shape[0] // max(int(block_size), 1)):
+        return _impl("block_attention", q.device)(
+            q, k_block, v_block, k_cache, v_cache, req_to_token, req_pool_indices, ctx_lens,
+            int(block_size), float(sm_scale), int(window), bool(causal_block), tree_parents,
+        )
 
 
 def verify_block(
@@ -152,7 +154,8 @@ def verify_block(
     Returns accept_len i32 [bs], bonus i64 [bs], out_tokens i64 [bs, B] (accepted drafts, the
     bonus, then -1).
     """
-    return _impl("verify_block", logits.device)(candidates, logits, temperature, top_k, top_p, int(seed), offsets)
+    with variants.for_call("verify_block", logits.device, logits.shape[0]):
+        return _impl("verify_block", logits.device)(candidates, logits, temperature, top_k, top_p, int(seed), offsets)
 
 
 def verify_block_from_ids(

@@ -343,6 +343,14 @@ class DFlashKernelWorker(DFlashWorkerV2):
                                    float(spec.speculative_accept_threshold_acc))
         self._dflash_ops = frozenset(kernel_ops)
         self._dflash_logged = False
+        self._device_errors = None
+        if self._dflash_device.type == "cuda" and self._dflash_ops:  # else nothing of ours can record one
+            from sglang_dflash import ops
+            from sglang_dflash.ops.error_watch import DeviceErrorWatch
+
+            # Overlap scheduling waits for step N's results after queueing step N + 1: read them then.
+            lag = 0 if self.server_args.disable_overlap_schedule else 1
+            self._device_errors = DeviceErrorWatch(ops.canonical_device(self._dflash_device), lag)
 
     # -- steps -----------------------------------------------------------------------------
 
@@ -392,22 +400,19 @@ class DFlashKernelWorker(DFlashWorkerV2):
 
     def _abort_on_device_errors(self, reqs: list) -> None:
         """On CUDA our kernels do not trap on an out-of-range index (a trap would end the server's
-        CUDA context): they skip it and record it, and this step's outputs are then not valid. Here
-        the record is read; if set, every request of the step ends with an error response (HTTP 500)
-        naming the op and the index instead of an answer built on those outputs, and the server
-        serves on. The read waits for the step's kernels, a sync SGLang's overlap scheduling would
-        otherwise avoid: the price of never answering from a kernel that saw a bad index, paid on
-        GPUs only, until our CUDA kernels have been proven there."""
-        if self._dflash_device.type != "cuda" or not self._dflash_ops:
+        CUDA context): they skip it and record it, and that step's outputs are then not valid. The
+        record is snapshotted after every step and read where the scheduler waits for the step's
+        results anyway (ops/error_watch.py), so the host never waits on the GPU for us. A step with an
+        error ends each of its requests still running with an error response (HTTP 500) naming the op
+        and the index, instead of an answer built on those outputs, and the server serves on."""
+        if self._device_errors is None:
             return
-        from sglang_dflash import ops
-
-        try:
-            ops.check_device_errors(self._dflash_device)
-        except RuntimeError as e:
-            message = f"sglang-dflash: this decoding step's outputs are not valid: {e}"
-            for req in reqs:
-                req.set_finish_with_abort(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+        message = "sglang-dflash: a decoding step's outputs are not valid: {}"
+        for error in self._device_errors.after_step(list(reqs)):
+            for req in error.tag:
+                if not req.finished():
+                    req.set_finish_with_abort(message.format(error.message), HTTPStatus.INTERNAL_SERVER_ERROR,
+                                              "InternalServerError")
 
     def _write_draft_context(self, *, target_hidden, cache_loc, positions, cache_loc_2d, commit_lens, extend_lens):
         if self._context_kv is None or target_hidden is None or getattr(self, "lilicorr", None) is not None:
