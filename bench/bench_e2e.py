@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import run_info
 from tqdm import tqdm
 
+from bench.provenance import run_info
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import DRAFT_DTYPES, SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine import HFTarget, SamplingParams, load_drafter

@@ -5,7 +5,7 @@ that proposes the target's own greedy continuation, so tau = B exactly (tau 4 at
 speedup measures the engine's per-step overhead, which must allow >= 2x at tau 4. Also reports
 the cost of a random DFlash drafter step (draft vs verify time), since a trained drafter pays it.
 
-    python bench/bench_engine.py [--max-new-tokens 96] [--threads 2] [--out bench/results/engine_cpu.json]
+    python -m bench.bench_engine [--max-new-tokens 96] [--threads 2] [--out bench/results/engine_cpu.json]
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 import torch
-from provenance import run_info
 
+from bench.provenance import run_info
 from sglang_dflash.engine import DFlashDrafter, Generator, HFTarget, OracleDrafter, SamplingParams, encode_prompt
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.packaged import model_dir

@@ -62,8 +62,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from provenance import run_info  # bench/ is on sys.path when this file runs as a script
 
+from bench.provenance import run_info
 from sglang_dflash import ops
 from sglang_dflash._extension import has_cuda_kernels
 from sglang_dflash.ops import reference

@@ -16,7 +16,7 @@ CPU with AMX skinny_linear's bf16 path and w8a8_linear on AMX tiles against thei
 target_verify times a whole verify forward of the packaged target (fp32 and bf16) with its
 attention through block_attention against the SDPA path it replaced (alternating calls).
 
-    python bench/bench_ops.py [--quick] [--out bench/results/cpu_ops.json]
+    python -m bench.bench_ops [--quick] [--out bench/results/cpu_ops.json]
 """
 
 from __future__ import annotations
@@ -29,17 +29,13 @@ import multiprocessing
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from provenance import run_info  # noqa: E402  (this script's folder)
-
-from sglang_dflash import ops  # noqa: E402
+from bench.provenance import run_info
+from sglang_dflash import ops
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft  # noqa: E402
 from sglang_dflash.engine.packaged import model_dir  # noqa: E402
 from sglang_dflash.models.skinny import quantize_rows  # noqa: E402

@@ -30,7 +30,7 @@ token, mean time to first token and DFLASH's acceptance; per non-plain server, t
 target's logit margin at the first differing token. Writes bench/results/serving_<target>.json
 (with provenance: bench/provenance.py) and a PNG beside it, and prints a table.
 
-    python bench/bench_serving.py [--servers plain plain-plugin dflash dflash-b4] [--samples 2]
+    python -m bench.bench_serving [--servers plain plain-plugin dflash dflash-b4] [--samples 2]
         [--concurrency 1 4 8] [--temperatures 0 0.7] [--max-new-tokens 128] [--server-args "--dtype float32"]
         [--target DIR] [--draft DIR|NAME] [--time-limit 1800] [--out PATH]
 """
@@ -49,10 +49,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_e2e import DEFAULT_GSM8K, load_prompts
-from provenance import run_info
 from tqdm import tqdm
 
+from bench.bench_e2e import DEFAULT_GSM8K, load_prompts
+from bench.provenance import run_info
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
 from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_args, server_env

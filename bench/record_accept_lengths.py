@@ -2,7 +2,7 @@
 confidence in each draft (its probability, in %): the data the adaptive block size's replay tests
 (tests/test_engine_block_size.py, tests/test_engine_draft_confidence.py) run the controller on.
 
-    python bench/record_accept_lengths.py --dataset humaneval --samples 64 --block-size 8 \
+    python -m bench.record_accept_lengths --dataset humaneval --samples 64 --block-size 8 \
         --out tests/data/accept_lengths_humaneval_t0_b8.json
 
 At block size B a step's accept length a also says what any smaller block b would have accepted,
@@ -17,10 +17,10 @@ import argparse
 import json
 from pathlib import Path
 
-from bench_e2e import DEFAULT_GSM8K, load_prompts
-from provenance import run_info
 from tqdm import tqdm
 
+from bench.bench_e2e import DEFAULT_GSM8K, load_prompts
+from bench.provenance import run_info
 from sglang_dflash.drafters import DRAFT_DTYPES, SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine import Generator, HFTarget, SamplingParams, load_drafter
 from sglang_dflash.engine.packaged import model_dir

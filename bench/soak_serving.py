@@ -28,7 +28,7 @@ Checks, each a line of the report (exit status 1 if any fails):
 
 Writes bench/results/soak_<target>.json (provenance: bench/provenance.py).
 
-    python bench/soak_serving.py [--requests 1000] [--clients 12] [--time-limit 3600] [--out PATH]
+    python -m bench.soak_serving [--requests 1000] [--clients 12] [--time-limit 3600] [--out PATH]
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench_serving import first_divergence, logit_margin
-from provenance import run_info
 from tqdm import tqdm
 
+from bench.bench_serving import first_divergence, logit_margin
+from bench.provenance import run_info
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir

@@ -19,12 +19,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bench import bench_kernels as bk
 from sglang_dflash.ops import reference
 from sglang_dflash.ops.testing import make_tree
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import bench_kernels as bk  # noqa: E402
 
 MB = 1 << 20
 
@@ -309,7 +308,7 @@ def test_triton_split_kv_kernel_benchmark_tiles(triton_interpreted):
 
 def test_without_cuda_the_script_says_so_in_one_line():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU visible, even on a GPU machine
-    proc = subprocess.run([sys.executable, "bench/bench_kernels.py", "--quick"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_kernels", "--quick"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1
     assert proc.stdout == ""

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from bench import bench_e2e
 from sglang_dflash.drafters import SHIPPED_DRAFTERS, resolve_draft
 from sglang_dflash.engine import DFlashDrafter, SamplingParams
 from sglang_dflash.engine.compare import compare
@@ -22,8 +23,6 @@ from sglang_dflash.models import load_draft
 from tests.dflash_testlib import random_draft, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import bench_e2e  # noqa: E402
 
 
 def plain_tau(c):
@@ -140,7 +139,7 @@ def test_demo_runs_the_shipped_drafter_and_matches_plain_decoding(capsys):
 def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
     out = tmp_path / "e2e.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_e2e.py"), "--datasets", "gsm8k", "--samples",
+    run = subprocess.run([sys.executable, "-m", "bench.bench_e2e", "--datasets", "gsm8k", "--samples",
                           "2", "--block-sizes", "4", "8", "--adaptive", "4", "--tree-budgets", "6",
                           "--adaptive-tree-budgets", "6",
                           "--temperatures", "0", "1",
@@ -184,7 +183,7 @@ def test_e2e_benchmark_on_a_gsm8k_slice(tmp_path):
         assert a["vs_best_fixed"] == pytest.approx(adaptive["speedup"] / a["best_fixed_speedup"])
         low, high = a["vs_best_fixed_interval"]
         assert 0 < low <= high, a
-    table = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_e2e.py"), "--table", str(out)],
+    table = subprocess.run([sys.executable, "-m", "bench.bench_e2e", "--table", str(out)],
                            cwd=ROOT, capture_output=True, text=True, env=env, check=True).stdout
     assert table.splitlines()[0].startswith(
         f"| dataset | T | tau B=4 | tau B=8 | tau tree6/{DEFAULT_TREE_MIN_PROB:g} | B=4 | B=8 | "

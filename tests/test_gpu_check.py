@@ -1,5 +1,5 @@
 """The GPU-window scripts, exercised where there is no GPU (or no time): bench/gpu_check.sh must end
-at once with a summary saying what ran and why the rest did not, and bench/gpu_smoke.py must drive
+at once with a summary saying what ran and why the rest did not, and bench/gpu/smoke.py must drive
 the self-test's comparisons (here on the CPU kernels)."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_gpu_check_out_of_budget_writes_its_summary(tmp_path):
 
 def test_gpu_smoke_compares_each_op_with_the_reference(tmp_path):
     out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, "bench/gpu_smoke.py", "--device", "cpu", "--out", str(out), "--ops",
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu.smoke", "--device", "cpu", "--out", str(out), "--ops",
                            "verify_block_from_ids", "block_attention"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

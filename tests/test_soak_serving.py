@@ -4,13 +4,10 @@ each answer, on synthetic answers (the soak itself drives real servers: `make so
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import soak_serving as soak  # noqa: E402
+from bench import soak_serving as soak
 
 EOS = 2
 CONTEXT = 2048

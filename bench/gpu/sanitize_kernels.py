@@ -1,6 +1,6 @@
 """Small calls that reach every CUDA kernel path, for compute-sanitizer (memcheck / racecheck).
 
-Run: compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/sanitize_kernels.py
+Run: compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m bench.gpu.sanitize_kernels
 Shapes are tiny because the sanitizer slows kernels down by orders of magnitude.
 """
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_kernels import ATTN_SHAPE  # bench/ is on sys.path when this file runs as a script
 
+from bench.bench_kernels import ATTN_SHAPE
 from sglang_dflash import ops
 
 

@@ -2,7 +2,7 @@
 CUDA_LAUNCH_BLOCKING=1 (a faulting kernel is named at its launch and cannot take the other ops'
 results with it), on small inputs, compared with the pure-PyTorch reference on the CPU.
 
-    python bench/gpu_smoke.py [--out smoke.json] [--device cuda] [--timeout 60] [--ops verify_block ...]
+    python -m bench.gpu.smoke [--out smoke.json] [--device cuda] [--timeout 60] [--ops verify_block ...]
 
 The comparisons are the start-up self-test's (sglang_dflash/ops/self_test.py): the same inputs and
 tolerances, for the configurations a GPU server runs (listed in CASES). Prints one line per case
@@ -19,15 +19,15 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
-from provenance import run_info  # bench/ is on sys.path when this file runs as a script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench.provenance import run_info
+from sglang_dflash.ops import self_test
+from sglang_dflash.ops.self_test import Attention, ContextKV
 
-from sglang_dflash.ops import self_test  # noqa: E402
-from sglang_dflash.ops.self_test import Attention, ContextKV  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # the repository: where `-m bench.gpu.smoke` resolves
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # What a GPU server runs: Qwen3-8B's drafter (Hq 32, Hkv 8, D 128, B 16, bf16) and the other head
@@ -100,10 +100,10 @@ def run_op(op: str, device: str) -> dict:
 def run_child(op: str, device: str, timeout: float) -> dict:
     """`op` in its own process (a kernel fault or hang ends that process only)."""
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-    command = [sys.executable, os.path.abspath(__file__), "--child", op, "--device", device]
+    command = [sys.executable, "-m", "bench.gpu.smoke", "--child", op, "--device", device]
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired as exc:  # its output comes as bytes whatever `text` says
         output = (exc.stdout or b"").decode(errors="replace")
         return dict(op=op, passed=False, problem=f"timed out after {timeout:.0f} s", output=output[-4000:])
