@@ -14,12 +14,21 @@
 // from the caching allocator with a shape-only size: no host sync, CUDA-graph capturable.
 // SGLANG_DFLASH_ATTN_SPLITS=n (read once per process) overrides the split count, for tuning.
 //
-// Two kernels compute the tiles:
+// Kernels that compute the tiles:
 //  - mma: bf16/fp16, head_dim 64/128/256, 16-byte aligned rows. cp.async 16-byte gathers of K/V
 //    rows into double-buffered shared memory, ldmatrix + mma.sync m16n8k16 for Q K^T and P V
 //    with fp32 accumulation, online softmax in registers (P rounded to the input type for P V).
+//  - pipelined (block_attention_pipelined.cuh): the same math with slot ids read a stage ahead,
+//    2-4 cp.async stages and Q's fragments in registers, in several configurations.
 //  - simt: every other case (fp32, other head_dim up to 256, unaligned views): fp32 dot products
 //    from shared memory, one lane per key.
+// Kernel variants (variants.h; sglang_dflash/ops/variants.py): "default" is the mma kernel with
+// the shape-only split count above; the others are pipelined configurations ("k64s3w4": 64 keys
+// per tile, 3 stages, 4 warps), by default with the work split policy (one full wave of resident
+// CTAs, each request using the splits its own key range fills, read on the device), and the first
+// configuration also with the shape-only policy (".shapes") and forced split counts (".splitN").
+// The thread's selected variant applies to the bf16 / fp16 tensor-core path; the SIMT path takes
+// only its split policy.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -30,101 +39,28 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
-#include "cuda_common.cuh"
-#include "mma_sm80.cuh"
+#include "block_attention.cuh"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
 #include "sglang_dflash/online_softmax.h"
+#include "sglang_dflash/variants.h"
 
 namespace sglang_dflash::cuda {
 namespace {
 
-constexpr int kThreads = 128;     // 4 warps per CTA, both kernels
-constexpr int kMmaRows = 64;      // query rows per CTA on the mma path (16 per warp)
+using namespace attention;  // NOLINT(build/namespaces): this file's kernels are the attention ones
+
+constexpr int kThreads = 128;     // 4 warps per CTA, the first tensor-core and the SIMT kernels
 constexpr int kSimtRows = 16;     // query rows per CTA on the simt path (4 per warp)
 constexpr int kSimtKeys = 32;     // keys per tile on the simt path (one per lane)
-constexpr int kMaxHeadDim = 256;
-constexpr int kMaxSplits = 32;
-constexpr int64_t kMinKeysPerSplit = 256;
-
-struct AttnParams {
-  const void* q;
-  const void* k_block;
-  const void* v_block;
-  const void* k_cache;
-  const void* v_cache;
-  int64_t q_s0, q_s1, kb_s0, kb_s1, vb_s0, vb_s1, kc_s0, kc_s1, vc_s0, vc_s1;  // in elements
-  const void* table;  // req_to_token, rows of stride table_s0, contiguous columns
-  const void* pools;  // req_pool_indices
-  const void* ctx_lens;
-  int64_t table_s0, table_width, table_rows, n_slots, n_rows;
-  bool table64, pools64, ctx64, causal;
-  int block_size, group, kv_heads, q_heads, head_dim, rows, row_tiles, splits, window;
-  float sm_scale;
-  const uint32_t* tree_sees;  // tree mode: [N, tree_words], bit c of row b*B+i = node c is i or its ancestor
-  int tree_words;
-  void* out;        // [N, Hq, D] contiguous, q's dtype
-  float* part_o;    // [splits, N, Hq, D] un-normalised partial outputs (splits > 1)
-  float* part_ml;   // [splits, N, Hq, 2] (max, sum) of each partial softmax (splits > 1)
-  IndexError* errors;  // the device's error record (cuda_common.cuh)
-};
-
-// What one CTA computes: query rows [row0, row_end) of the B x group rows of (request b, kv head
-// h), row r being block row r / group of q head h * group + r % group, against keys
-// [begin, end).
-struct Work {
-  int b, h, row0, row_end;
-  int64_t ctx, pool, begin, end;
-};
-
-template <int ROWS, int TILE>
-__device__ __forceinline__ Work cta_work(const AttnParams& p) {
-  Work w;
-  const int64_t x = blockIdx.x;
-  const int row_tile = static_cast<int>(x % p.row_tiles);
-  const int64_t bh = x / p.row_tiles;
-  w.b = static_cast<int>(bh / p.kv_heads);
-  w.h = static_cast<int>(bh % p.kv_heads);
-  w.row0 = row_tile * ROWS;
-  w.row_end = min(p.rows, w.row0 + ROWS);
-  w.pool = read_index(p.pools, p.pools64, w.b);
-  w.ctx = read_index(p.ctx_lens, p.ctx64, w.b);
-  // A request with its table row or context length out of range attends to its block only: its
-  // output is not valid, but nothing outside req_to_token is read.
-  if (!index_ok(w.pool >= 0 && w.pool < p.table_rows, p.errors, IndexCheck::kAttentionPool, w.b, 0,
-                w.pool, p.table_rows) ||
-      !index_ok(w.ctx >= 0 && w.ctx <= p.table_width, p.errors, IndexCheck::kAttentionCtxLen, w.b, 0,
-                w.ctx, p.table_width)) {
-    w.ctx = 0;
-  }
-  // Keys any of this CTA's rows can see.
-  const int64_t i_min = w.row0 / p.group, i_max = (w.row_end - 1) / p.group;
-  int64_t lo = 0, hi = w.ctx + p.block_size;
-  if (p.window > 0) {
-    lo = max(int64_t{0}, w.ctx + i_min - p.window + 1);
-    hi = min(hi, w.ctx + i_max + p.window);
-  }
-  if (p.causal) hi = min(hi, w.ctx + i_max + 1);
-  const int64_t chunk = ceil_div(ceil_div(hi - lo, p.splits), TILE) * TILE;
-  w.begin = lo + blockIdx.y * chunk;
-  w.end = min(hi, w.begin + chunk);
-  return w;
-}
-
-// Whether block row i sees key k (k >= the CTA's begin is implied).
-__device__ __forceinline__ bool visible(const AttnParams& p, const Work& w, int64_t k, int64_t i) {
-  if (k >= w.end) return false;
-  if (p.tree_sees != nullptr && k >= w.ctx) {
-    const int64_t c = k - w.ctx;
-    const uint32_t word = p.tree_sees[(static_cast<int64_t>(w.b) * p.block_size + i) * p.tree_words + c / 32];
-    return (word >> (c % 32)) & 1u;
-  }
-  const int64_t pos = w.ctx + i;
-  return (!p.causal || k <= pos) && (p.window <= 0 || (pos >= k ? pos - k : k - pos) < p.window);
-}
 
 // Tree mode: row n = b*B + i of `sees` gets the bits of node i and of its ancestors, one thread
 // per node walking up tree_parents. A parent that is not a node before its child (nor -1) is
@@ -151,52 +87,14 @@ __global__ void __launch_bounds__(kThreads) tree_sees_kernel(const index_t* pare
   }
 }
 
-// Row pointers of key k's K and V vectors for kv head w.h; false (kp, vp untouched) when its slot
-// is outside the KV cache, and the caller loads zeros for it instead.
-template <typename T>
-__device__ __forceinline__ bool key_rows(const AttnParams& p, const Work& w, int64_t k,
-                                         const T*& kp, const T*& vp) {
-  if (k < w.ctx) {
-    const int64_t slot = read_index(p.table, p.table64, w.pool * p.table_s0 + k);
-    if (!index_ok(slot >= 0 && slot < p.n_slots, p.errors, IndexCheck::kAttentionSlot, w.pool, k,
-                  slot, p.n_slots)) {
-      return false;
-    }
-    kp = static_cast<const T*>(p.k_cache) + slot * p.kc_s0 + w.h * p.kc_s1;
-    vp = static_cast<const T*>(p.v_cache) + slot * p.vc_s0 + w.h * p.vc_s1;
-  } else {
-    const int64_t r = static_cast<int64_t>(w.b) * p.block_size + (k - w.ctx);
-    kp = static_cast<const T*>(p.k_block) + r * p.kb_s0 + w.h * p.kb_s1;
-    vp = static_cast<const T*>(p.v_block) + r * p.vb_s0 + w.h * p.vb_s1;
-  }
-  return true;
-}
-
-// Output element offset of CTA row `row` (q row b*B + row/group, q head h*group + row%group).
-__device__ __forceinline__ int64_t out_offset(const AttnParams& p, const Work& w, int row) {
-  const int64_t n = static_cast<int64_t>(w.b) * p.block_size + row / p.group;
-  const int64_t hq = static_cast<int64_t>(w.h) * p.group + row % p.group;
-  return (n * p.q_heads + hq) * p.head_dim;
-}
-
-// A CTA whose slice of the key range is empty still owns its partial states: mark them empty.
-__device__ __forceinline__ void write_empty_partials(const AttnParams& p, const Work& w) {
-  for (int row = w.row0 + threadIdx.x; row < w.row_end; row += blockDim.x) {
-    const int64_t base = blockIdx.y * p.n_rows * p.q_heads * p.head_dim + out_offset(p, w, row);
-    float* ml = p.part_ml + base / p.head_dim * 2;
-    ml[0] = -INFINITY;
-    ml[1] = 0.0f;
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
-// Tensor-core path.
+// Tensor-core path, first kernel (the "default" variant): double-buffered tiles, each tile's slots
+// read by the threads that copy it.
 
 template <int D>
 struct MmaConfig {
   static constexpr int kTile = D <= 128 ? 64 : 32;  // keys per tile
-  static constexpr int kLd = D + 8;                 // smem row stride in elements (+16 bytes:
-                                                    // ldmatrix rows hit distinct banks)
+  static constexpr int kLd = kSmemLd<D>;            // smem row stride in elements
   static constexpr int kChunks = D / 8;             // 16-byte chunks per row
   static constexpr size_t kSmemBytes = sizeof(uint16_t) * kLd * (kMmaRows + 4 * kTile);
 };
@@ -205,8 +103,6 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) block_attention_mma_kernel(const AttnParams p) {
   using Cfg = MmaConfig<D>;
   constexpr int TILE = Cfg::kTile, LD = Cfg::kLd, CH = Cfg::kChunks;
-  constexpr int NT = TILE / 8;  // score tiles (16 x 8) per warp
-  constexpr int DT = D / 8;     // output tiles (16 x 8) per warp
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t* q_s = smem;                  // [64][LD]
   uint16_t* k_s = q_s + kMmaRows * LD;   // [2][TILE][LD]
@@ -224,13 +120,7 @@ __global__ void __launch_bounds__(kThreads, 2) block_attention_mma_kernel(const 
   for (int idx = tid; idx < kMmaRows * CH; idx += kThreads) {
     const int r = idx / CH, c = idx % CH, row = w.row0 + r;
     const bool ok = row < w.row_end;
-    const T* src = q_base;
-    if (ok) {
-      const int64_t n = static_cast<int64_t>(w.b) * p.block_size + row / p.group;
-      const int64_t hq = static_cast<int64_t>(w.h) * p.group + row % p.group;
-      src = q_base + n * p.q_s0 + hq * p.q_s1 + c * 8;
-    }
-    cp_async16(q_s + r * LD + c * 8, src, ok);
+    cp_async16(q_s + r * LD + c * 8, ok ? q_base + q_offset(p, w, row) + c * 8 : q_base, ok);
   }
   auto load_tile = [&](int64_t k0, int buf) {
     for (int idx = tid; idx < TILE * CH; idx += kThreads) {
@@ -247,17 +137,10 @@ __global__ void __launch_bounds__(kThreads, 2) block_attention_mma_kernel(const 
   cp_async_commit();
 
   const int gid = lane >> 2, tq = lane & 3;  // mma fragment coordinates
-  // Block row of each of the thread's two fragment rows (padding rows borrow the last real one).
-  int64_t brow[2];
-  for (int half = 0; half < 2; ++half) {
-    const int row = min(w.row0 + warp * 16 + gid + half * 8, w.row_end - 1);
-    brow[half] = row / p.group;
-  }
+  const int warp_row0 = w.row0 + warp * 16;
+  WarpState<D> st;
+  st.init(p, w, warp_row0, gid);
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;  // scores in log2 units
-  float o[DT][4];
-#pragma unroll
-  for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this thread's columns only
 
   const int n_tiles = static_cast<int>(ceil_div(w.end - w.begin, TILE));
   for (int t = 0; t < n_tiles; ++t) {
@@ -270,120 +153,15 @@ __global__ void __launch_bounds__(kThreads, 2) block_attention_mma_kernel(const 
       cp_async_wait<0>();
     }
     __syncthreads();
-    const uint16_t* kb = k_s + buf * TILE * LD;
-    const uint16_t* vb = v_s + buf * TILE * LD;
-
-    // S = Q K^T for this warp's 16 rows.
-    float s[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, q_s + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-      for (int n2 = 0; n2 < NT / 2; ++n2) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, kb + (n2 * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + kk * 16 +
-                            ((lane >> 3) & 1) * 8);
-        mma_16816<T>(s[2 * n2], a, bk[0], bk[1]);
-        mma_16816<T>(s[2 * n2 + 1], a, bk[2], bk[3]);
-      }
-    }
-
-    // Mask, online softmax (log2 domain), rescale the accumulators.
-    const int64_t k0 = w.begin + static_cast<int64_t>(t) * TILE;
-    // Tiles wholly inside the range, with no window and no causal key among them, need no mask.
-    const bool need_mask = k0 + TILE > w.end || p.window > 0 ||
-                           ((p.causal || p.tree_sees != nullptr) && k0 + TILE > w.ctx);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int64_t k = k0 + nt * 8 + 2 * tq + e;
-          float v = s[nt][half * 2 + e] * scale_log2;
-          if (need_mask && !visible(p, w, k, brow[half])) v = -INFINITY;
-          s[nt][half * 2 + e] = v;
-          mx = fmaxf(mx, v);
-        }
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[half], mx);
-      const float sub = m_new == -INFINITY ? 0.0f : m_new;
-      const float alpha = m[half] == -INFINITY ? 0.0f : exp2f(m[half] - m_new);
-      m[half] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = exp2f(s[nt][half * 2 + e] - sub);
-          s[nt][half * 2 + e] = pv;
-          sum += pv;
-        }
-      }
-      l[half] = l[half] * alpha + sum;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        o[dt][half * 2] *= alpha;
-        o[dt][half * 2 + 1] *= alpha;
-      }
-    }
-
-    // O += P V: the score accumulators of two adjacent key tiles are one A fragment.
-#pragma unroll
-    for (int kk = 0; kk < TILE / 16; ++kk) {
-      const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
-                              pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int d2 = 0; d2 < D / 16; ++d2) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, vb + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + d2 * 16 +
-                                  (lane >> 4) * 8);
-        mma_16816<T>(o[2 * d2], pa, bv[0], bv[1]);
-        mma_16816<T>(o[2 * d2 + 1], pa, bv[2], bv[3]);
-      }
-    }
+    float s[TILE / 8][4];
+    tile_scores<T, D, TILE>(s, k_s + buf * TILE * LD, lane, [&](int kk, uint32_t(&a)[4]) {
+      load_q_fragment<LD>(a, q_s + warp * 16 * LD, kk, lane);
+    });
+    tile_softmax<D, TILE>(p, w, w.begin + static_cast<int64_t>(t) * TILE, tq, scale_log2, s, st);
+    tile_pv<T, D, TILE>(s, v_s + buf * TILE * LD, lane, st);
     __syncthreads();  // this buffer is refilled by the next iteration's load
   }
-
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float sum = l[half];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int row = w.row0 + warp * 16 + gid + half * 8;
-    if (row >= w.row_end) continue;
-    const int64_t off = out_offset(p, w, row);
-    if (p.splits == 1) {
-      T* out = static_cast<T*>(p.out) + off;
-      const float inv = 1.0f / sum;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        out[dt * 8 + 2 * tq] = static_cast<T>(o[dt][half * 2] * inv);
-        out[dt * 8 + 2 * tq + 1] = static_cast<T>(o[dt][half * 2 + 1] * inv);
-      }
-    } else {
-      const int64_t base = blockIdx.y * p.n_rows * p.q_heads * p.head_dim + off;
-      float* po = p.part_o + base;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        *reinterpret_cast<float2*>(po + dt * 8 + 2 * tq) =
-            make_float2(o[dt][half * 2], o[dt][half * 2 + 1]);
-      }
-      if (tq == 0) {
-        float* ml = p.part_ml + base / p.head_dim * 2;
-        ml[0] = m[half] == -INFINITY ? -INFINITY : m[half] * 0.6931471805599453f;  // natural log
-        ml[1] = sum;
-      }
-    }
-  }
+  store_rows<T, D>(p, w, warp_row0, gid, tq, st);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -561,29 +339,101 @@ bool rows_aligned16(const at::Tensor& t) {
          t.stride(1) % elems == 0;
 }
 
+// How a variant sizes the split grid (grid.y) and each request's share of it.
+enum class SplitPolicy {
+  kShapes,  // from shapes only: floor(2 * SMs / CTAs), every request uses every split
+  kWork,    // one full wave of resident CTAs; each request uses ceil(its keys / 256) of the splits
+  kForced,  // a fixed count
+};
 
-template <typename T, int D>
-void launch_mma(const AttnParams& p, dim3 grid, cudaStream_t stream) {
-  const size_t smem = MmaConfig<D>::kSmemBytes;
-  auto kernel = block_attention_mma_kernel<T, D>;
-  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+struct AttnVariant {
+  std::string name;
+  int config;  // kPipeConfigs index of the pipelined kernel; -1: the first tensor-core kernel
+  SplitPolicy policy;
+  int forced_splits;
+};
+
+// The variants, in the registered order (index = selected_kernel_variant). Each configuration of
+// the pipelined kernel runs with the work policy; the first one also with the others.
+const std::vector<AttnVariant>& attn_variants() {
+  static const std::vector<AttnVariant> variants = [] {
+    std::vector<AttnVariant> v{{"default", -1, SplitPolicy::kShapes, 0}};
+    auto name = [](const PipeConfig& c) {
+      return "k" + std::to_string(c.keys) + "s" + std::to_string(c.stages) + "w" + std::to_string(c.warps);
+    };
+    for (int c = 0; c < kPipeConfigCount; ++c) v.push_back({name(kPipeConfigs[c]), c, SplitPolicy::kWork, 0});
+    v.push_back({name(kPipeConfigs[0]) + ".shapes", 0, SplitPolicy::kShapes, 0});
+    for (const int n : {1, 4, 16, kMaxSplits}) {
+      v.push_back({name(kPipeConfigs[0]) + ".split" + std::to_string(n), 0, SplitPolicy::kForced, n});
+    }
+    return v;
+  }();
+  return variants;
 }
 
-// Only bf16 / fp16 have an mma instantiation; the caller takes the mma path for nothing else.
+[[maybe_unused]] const bool variants_registered = [] {
+  std::vector<std::string> names;
+  for (const auto& v : attn_variants()) names.push_back(v.name);
+  return register_kernel_variants(VariantOp::kBlockAttention, std::move(names));
+}();
+
+// CTAs of `launch` that fit on one SM at once (cached per kernel and device; a host query, so also
+// allowed during a CUDA-graph capture).
+int resident_ctas(const KernelLaunch& launch) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> known;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find({launch.fn, device});
+  if (it != known.end()) return it->second;
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, launch.fn, launch.threads, launch.smem));
+  n = std::max(n, 1);
+  known[{launch.fn, device}] = n;
+  return n;
+}
+
+template <typename T, int D>
+KernelLaunch first_mma_kernel() {
+  return {reinterpret_cast<const void*>(&block_attention_mma_kernel<T, D>), kThreads, MmaConfig<D>::kSmemBytes};
+}
+
+// The tensor-core kernel of `variant` for 16-bit type T and head_dim D (64, 128 or 256), and its
+// query rows per CTA.
 template <typename T>
-void launch_mma_for_dtype(const AttnParams& p, dim3 grid, cudaStream_t stream) {
-  if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
-    if (p.head_dim == 64) {
-      launch_mma<T, 64>(p, grid, stream);
-    } else if (p.head_dim == 128) {
-      launch_mma<T, 128>(p, grid, stream);
-    } else {
-      launch_mma<T, 256>(p, grid, stream);
-    }
-  } else {
-    TORCH_CHECK(false, "sglang_dflash.block_attention: no tensor-core kernel for ", c10::CppTypeToScalarType<T>::value);
+std::pair<KernelLaunch, int> mma_kernel(const AttnVariant& variant, int64_t D) {
+  if (variant.config < 0) {
+    const KernelLaunch k = D == 64 ? first_mma_kernel<T, 64>() : D == 128 ? first_mma_kernel<T, 128>()
+                                                                          : first_mma_kernel<T, 256>();
+    return {k, kMmaRows};
   }
+  const bool bf16 = std::is_same_v<T, c10::BFloat16>;
+  const KernelLaunch k = D == 64    ? pipelined_kernel<64>(variant.config, bf16)
+                         : D == 128 ? pipelined_kernel<128>(variant.config, bf16)
+                                    : pipelined_kernel<256>(variant.config, bf16);
+  return {k, 16 * kPipeConfigs[variant.config].warps};
+}
+
+// The kernel a call runs, its query rows per CTA, and the dynamic shared memory its attribute must
+// allow (the SIMT kernel's for the largest head_dim, so one setting serves every call).
+struct Chosen {
+  KernelLaunch launch;
+  int rows_per_cta;
+  size_t smem_limit;
+};
+
+template <typename T>
+Chosen choose_kernel(const AttnVariant& variant, bool use_mma, int64_t D) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+    if (use_mma) {
+      const auto [launch, rows] = mma_kernel<T>(variant, D);
+      return {launch, rows, launch.smem};
+    }
+  }
+  const size_t smem = sizeof(float) * (kSimtRows * D + kSimtKeys * (D + 1) + kSimtKeys * D);
+  return {{reinterpret_cast<const void*>(&block_attention_simt_kernel<T>), kThreads, smem}, kSimtRows,
+          sizeof(float) * (kSimtRows * kMaxHeadDim + kSimtKeys * (2 * kMaxHeadDim + 1))};
 }
 
 }  // namespace
@@ -614,6 +464,13 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
   const bool use_mma = mma_dtype && (D == 64 || D == 128 || D == 256) && rows_aligned16(q) &&
                        rows_aligned16(k_block) && rows_aligned16(v_block) &&
                        rows_aligned16(k_cache) && rows_aligned16(v_cache);
+  // The thread's selected variant picks the tensor-core kernel and the split policy (the SIMT
+  // kernel, which has one configuration, takes the split policy only).
+  const AttnVariant& variant = attn_variants()[selected_kernel_variant(VariantOp::kBlockAttention)];
+  Chosen chosen{};
+  SGLD_DISPATCH_FLOAT_TYPES(q.scalar_type(), "block_attention", [&] {
+    chosen = choose_kernel<scalar_t>(variant, use_mma, D);
+  });
 
   AttnParams p{};
   p.q = q.data_ptr();
@@ -649,28 +506,46 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
   p.q_heads = static_cast<int>(shape.q_heads);
   p.head_dim = static_cast<int>(D);
   p.rows = p.block_size * p.group;
-  const int rows_per_cta = use_mma ? kMmaRows : kSimtRows;
-  p.row_tiles = static_cast<int>(ceil_div(p.rows, rows_per_cta));
+  p.row_tiles = static_cast<int>(ceil_div(p.rows, chosen.rows_per_cta));
   // window < 0 is off; a window wider than any key distance is the same as off.
   p.window = window < 0 ? -1 : static_cast<int>(std::min<int64_t>(window, (int64_t{1} << 30)));
   p.sm_scale = static_cast<float>(sm_scale);
   p.out = out.data_ptr();
   p.errors = device_error_record(q.get_device());
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK_VALUE(chosen.launch.smem <= props->sharedMemPerBlockOptin, "sglang_dflash.block_attention: kernel "
+                    "variant \"", variant.name, "\" needs ", chosen.launch.smem, " bytes of shared memory per CTA at "
+                    "head_dim ", D, "; this GPU allows ", props->sharedMemPerBlockOptin);
+  allow_dynamic_smem(chosen.launch.fn, chosen.smem_limit);
 
-  // Flash-decoding split: from shapes only. Fill one wave of ~2 CTAs per SM without spilling
-  // into a second (floor), and never split the longest possible key range (req_to_token's width
-  // + B) below kMinKeysPerSplit keys per split.
+  // Flash-decoding split, from shapes only (no ctx_lens on the host). Never split the longest
+  // possible key range (req_to_token's width + B) below kMinKeysPerSplit keys per split.
   const int64_t ctas = shape.batch * shape.kv_heads * p.row_tiles;
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t sms = props->multiProcessorCount;
   const int64_t max_keys = table.size(1) + block_size;
-  int64_t splits = (2 * sms) / ctas;
-  splits = std::min<int64_t>(splits, ceil_div(max_keys, kMinKeysPerSplit));
-  // Tuning / testing knob: SGLANG_DFLASH_ATTN_SPLITS=n forces n splits (read once).
+  int64_t splits = 1;
+  if (variant.policy == SplitPolicy::kShapes) {
+    // Fill one wave of ~2 CTAs per SM without spilling into a second (floor).
+    splits = std::min<int64_t>((2 * sms) / ctas, ceil_div(max_keys, kMinKeysPerSplit));
+  } else if (variant.policy == SplitPolicy::kWork) {
+    // At least one full wave of resident CTAs (ceil); each request takes the splits its own key
+    // range fills with kMinKeysPerSplit keys, read on the device (the rest exit at once).
+    splits = std::min<int64_t>(ceil_div(resident_ctas(chosen.launch) * sms, ctas),
+                               ceil_div(max_keys, kMinKeysPerSplit));
+    p.split_keys = kMinKeysPerSplit;
+  } else {
+    splits = variant.forced_splits;
+  }
+  // Tuning / testing knob: SGLANG_DFLASH_ATTN_SPLITS=n forces n splits (read once), for every
+  // variant without a split count of its own.
   static const int64_t forced_splits = [] {
     const char* env = std::getenv("SGLANG_DFLASH_ATTN_SPLITS");
     return env ? std::atoll(env) : int64_t{0};
   }();
-  if (forced_splits > 0) splits = forced_splits;
+  if (forced_splits > 0 && variant.policy != SplitPolicy::kForced) {
+    splits = forced_splits;
+    p.split_keys = 0;
+  }
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
   p.splits = static_cast<int>(splits);
   at::Tensor part_o, part_ml;
@@ -703,25 +578,17 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(splits));
-  SGLD_DISPATCH_FLOAT_TYPES(q.scalar_type(), "block_attention", [&] {
-    if (use_mma) {
-      launch_mma_for_dtype<scalar_t>(p, grid, stream);
-    } else {
-      const size_t smem = sizeof(float) * (kSimtRows * D + kSimtKeys * (D + 1) + kSimtKeys * D);
-      auto kernel = block_attention_simt_kernel<scalar_t>;
-      // The limit for the largest head_dim, so one setting serves every call.
-      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), sizeof(float) * (kSimtRows * kMaxHeadDim +
-                                                  kSimtKeys * (2 * kMaxHeadDim + 1)));
-      kernel<<<grid, kThreads, smem, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (splits > 1) {
+  void* args[] = {&p};
+  C10_CUDA_CHECK(cudaLaunchKernel(chosen.launch.fn, grid, dim3(chosen.launch.threads), args, chosen.launch.smem,
+                                  stream));
+  if (splits > 1) {
+    SGLD_DISPATCH_FLOAT_TYPES(q.scalar_type(), "block_attention", [&] {
       const int64_t warps = q.size(0) * shape.q_heads;
       const auto blocks = static_cast<unsigned>(ceil_div(warps * 32, kThreads));
       merge_splits_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  });
+    });
+  }
   return out;
 }
 

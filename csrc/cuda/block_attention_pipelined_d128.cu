@@ -1,0 +1,9 @@
+// The pipelined block-attention kernels for head_dim 128 (block_attention_pipelined.cuh), one file per
+// head_dim so that the build compiles them in parallel.
+#include "block_attention_pipelined.cuh"
+
+namespace sglang_dflash::cuda::attention {
+
+template KernelLaunch pipelined_kernel<128>(int config, bool bf16);
+
+}  // namespace sglang_dflash::cuda::attention
