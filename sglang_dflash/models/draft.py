@@ -5,6 +5,11 @@ through `append_context` (fc -> hidden_norm -> per-layer k_proj/k_norm/RoPE and 
 to a paged `ContextCache`); `forward` runs one block per request with `block_attention` over
 that cache plus the block's own K/V.
 
+DFlash-2 drafters add a `BlockConv` around each layer's attention and MLP (conv.py) and, with a
+path selector (selector.py), choose each block's drafts jointly over the LM head's top-k per
+position (`draft_path`). Config variants (Gemma norms, partial or interleaved rotary, a value
+scale) are config.py's.
+
 A draft step on the CPU is a few rows through small matrices, so its time goes to the number of
 ops more than to arithmetic: at inference on the CPU the norms (and the q / k norm + RoPE) run as
 one `rms_norm_rope` call each and the context K/V of all layers as one `materialize_context_kv`
@@ -22,6 +27,8 @@ from torch import nn
 
 from sglang_dflash.models.config import DFlashConfig
 from sglang_dflash.models.context_cache import ContextCache
+from sglang_dflash.models.conv import BlockConv
+from sglang_dflash.models.selector import PathSelector
 from sglang_dflash.models.skinny import Int8Linear, SkinnyLinear, linear
 from sglang_dflash.ops import block_attention, cpu_kernel_applies, materialize_context_kv, rms_norm_rope
 
@@ -34,30 +41,45 @@ def _kernel_applies(op: str, x: torch.Tensor, *params: torch.Tensor) -> bool:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm scaling by `weight`, or by 1 + weight for Gemma-style checkpoints (`gemma`)."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self.eps, self.gemma = eps, gemma
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.weight + 1 if self.gemma else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _kernel_applies("rms_norm_rope", x, self.weight):
-            return rms_norm_rope(x, self.weight, self.eps)
+        scale = self.scale
+        if _kernel_applies("rms_norm_rope", x, scale):
+            return rms_norm_rope(x, scale, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return scale * xf.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE; x [n, heads, D], cos/sin [n, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool = True) -> torch.Tensor:
+    """RoPE of the first 2 * R dims of x [n, heads, D] by angles with cos / sin [n, R]: pairs
+    (i, i + R) when `neox` (rotate-half), else (2i, 2i + 1); the other dims pass through."""
+    half = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]
+    head, tail = x[..., : 2 * half], x[..., 2 * half :]
+    if neox:
+        x1, x2 = head.chunk(2, dim=-1)
+        head = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = head[..., 0::2], head[..., 1::2]
+        head = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return torch.cat([head, tail], dim=-1)
 
 
 class Rotary:
-    """Rotate-half RoPE at `positions` [n] for rows of one dtype: `norm_rope(norm, x)` is
-    apply_rope(norm(x)) for x [n, heads, D], through `rms_norm_rope` over the model's cos/sin table
-    where that kernel applies, else in PyTorch with cos / sin rows [n, D] in `dtype`."""
+    """RoPE at `positions` [n] for rows of one dtype: `norm_rope(norm, x)` is apply_rope(norm(x))
+    for x [n, heads, D], through `rms_norm_rope` over the model's cos/sin table where that kernel
+    applies, else in PyTorch with cos / sin rows [n, rotary_dim / 2] in `dtype`."""
 
     def __init__(self, model: DFlashDraftModel, positions: torch.Tensor, dtype: torch.dtype):
         self.model, self.positions, self.dtype = model, positions, dtype
@@ -65,8 +87,7 @@ class Rotary:
     @functools.cached_property
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = self.positions.float()[:, None] * self.model.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
 
     @functools.cached_property
     def table(self) -> torch.Tensor:
@@ -74,9 +95,10 @@ class Rotary:
         return self.model.cos_sin_table(int(self.positions.max()) + 1 if self.positions.numel() else 0)
 
     def norm_rope(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        if _kernel_applies("rms_norm_rope", x, norm.weight):
-            return rms_norm_rope(x, norm.weight, norm.eps, self.table, self.positions)
-        return apply_rope(norm(x), *self.cos_sin)
+        scale, neox = norm.scale, self.model.config.rope_is_neox_style
+        if _kernel_applies("rms_norm_rope", x, scale):
+            return rms_norm_rope(x, scale, norm.eps, self.table, self.positions, neox)
+        return apply_rope(norm(x), *self.cos_sin, neox)
 
 
 class DFlashAttention(nn.Module):
@@ -89,12 +111,14 @@ class DFlashAttention(nn.Module):
         self.k_proj = SkinnyLinear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = SkinnyLinear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = SkinnyLinear(self.num_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, config.use_gemma_norm)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, config.use_gemma_norm)
+        self.v_scale = config.attention_value_scale
 
     def key_value(self, x: torch.Tensor, rotary: Rotary):
         k = rotary.norm_rope(self.k_norm, self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
-        return k, self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        return k, v if self.v_scale is None else v * self.v_scale
 
 
 class DFlashMLP(nn.Module):
@@ -112,36 +136,55 @@ class DFlashMLP(nn.Module):
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
+        self.config = config
+        h, eps, gemma = config.hidden_size, config.rms_norm_eps, config.use_gemma_norm
         self.self_attn = DFlashAttention(config)
         self.mlp = DFlashMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(h, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(h, eps, gemma)
+        taps, group = config.conv_kernel_size, config.conv_group_size
+        self.attention_conv = BlockConv(h, taps, group) if taps else None
+        self.mlp_conv = BlockConv(h, taps, group) if taps else None
 
-    def forward(self, h: torch.Tensor, rotary: Rotary, attend) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rotary: Rotary, attend, block_size: int | None = None) -> torch.Tensor:
         """One pre-norm residual layer over block rows h [n, H] at the positions of `rotary`.
         `attend(q, k, v)` -> [n, Hq, D] supplies the attention over the context plus the block:
         `block_attention` over the paged cache at inference, a masked SDPA over a whole sequence in
-        training."""
+        training. h holds whole blocks of `block_size` rows (default: the config's), which a DFlash-2
+        layer's convolutions run along."""
+        block_size = block_size or self.config.block_size
         attn = self.self_attn
         x = self.input_layernorm(h)
+        if self.attention_conv is not None:
+            x, out_delta = self.attention_conv.prepare(x, block_size)
         q = rotary.norm_rope(attn.q_norm, attn.q_proj(x).view(-1, attn.num_heads, attn.head_dim))
         k, v = attn.key_value(x, rotary)
         o = attend(q, k, v)
-        h = h + attn.o_proj(o.reshape(o.shape[0], -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        o = attn.o_proj(o.reshape(o.shape[0], -1))
+        if self.attention_conv is not None:
+            o = self.attention_conv.finish(o, out_delta, block_size)
+        h = h + o
+        x = self.post_attention_layernorm(h)
+        if self.mlp_conv is None:
+            return h + self.mlp(x)
+        x, out_delta = self.mlp_conv.prepare(x, block_size)
+        return h + self.mlp_conv.finish(self.mlp(x), out_delta, block_size)
 
 
 class DFlashDraftModel(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
-        h = config.hidden_size
+        h, eps, gemma = config.hidden_size, config.rms_norm_eps, config.use_gemma_norm
         self.fc = SkinnyLinear(config.num_taps * h, h, bias=False)
-        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, eps, gemma)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(h, config.rms_norm_eps)
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        self.norm = RMSNorm(h, eps, gemma)
+        self.candidate_selector = (
+            PathSelector(h, config.vocab_size, config.selector_rank, config.selector_top_k)
+            if config.has_selector else None)
+        r = config.rope_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.cache: ContextCache | None = None
         self._cos_sin_table: torch.Tensor | None = None  # cos_sin_table()'s, built on first use
@@ -170,7 +213,7 @@ class DFlashDraftModel(nn.Module):
         return Rotary(self, positions, dtype)
 
     def cos_sin_table(self, positions: int) -> torch.Tensor:
-        """fp32 [P, D] with P >= positions: row p holds cos, then sin, of the D / 2 angles of
+        """fp32 [P, R] with P >= positions (R: the rotary dim): row p holds cos, then sin, of the R / 2 angles of
         position p (SGLang's cos_sin_cache layout, for `rms_norm_rope` / `materialize_context_kv`);
         computed as `Rotary.cos_sin` computes them, grown by doubling when a longer context comes."""
         table = self._cos_sin_table
@@ -201,8 +244,9 @@ class DFlashDraftModel(nn.Module):
         if _kernel_applies("materialize_context_kv", ctx):
             weights, biases = zip(*(self._kv_projection(a) for a in attns), strict=True)
             materialize_context_kv(ctx, weights, None if biases[0] is None else biases,
-                                   [a.k_norm.weight for a in attns], attns[0].k_norm.eps, rotary.table, True,
-                                   positions, slots, list(self.cache.k), list(self.cache.v))
+                                   [a.k_norm.scale for a in attns], attns[0].k_norm.eps, rotary.table,
+                                   self.config.rope_is_neox_style, positions, slots, list(self.cache.k),
+                                   list(self.cache.v), attns[0].v_scale or 1.0)
             return
         for i, attn in enumerate(attns):
             k, v = attn.key_value(ctx, rotary)
@@ -237,7 +281,7 @@ class DFlashDraftModel(nn.Module):
                                        block_size, window=self.config.layer_window(i),
                                        causal_block=self.config.causal)
 
-            h = layer(h, rotary, attend)
+            h = layer(h, rotary, attend, block_size)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
@@ -252,3 +296,23 @@ class DFlashDraftModel(nn.Module):
         if cap:
             logits = cap * torch.tanh(logits / cap)
         return logits
+
+    def draft_path(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: torch.Tensor,
+                   lm_head_scale: torch.Tensor | None = None, vocab: torch.Tensor | None = None,
+                   greedy: torch.Tensor | None = None, temperatures: torch.Tensor | None = None,
+                   uniforms: torch.Tensor | None = None):
+        """A DFlash-2 drafter's drafts for blocks with final hidden states hidden [b, E, H] of the
+        positions after their anchors [b]: the LM head's `selector_top_k` best tokens per position
+        (`logits`; `vocab` maps a restricted head's rows to token ids), the selector's lattice over
+        them and one walk (greedy [b] bool, default all greedy; see selector.py). Returns tokens
+        [b, E], q [b, E, K] and the candidates [b, E, K] (token ids, best first)."""
+        selector = self.candidate_selector
+        if selector is None:
+            raise ValueError("draft_path: this drafter has no path selector (dflash_config.selector_rank)")
+        unary, picks = self.logits(hidden, lm_head_weight, lm_head_scale).float().topk(selector.top_k, dim=-1)
+        candidates = picks if vocab is None else vocab[picks]
+        scores = selector.lattice(candidates, unary, hidden, anchors)
+        if greedy is None:
+            greedy = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        tokens, q = selector.walk(candidates, scores, greedy, temperatures, uniforms)
+        return tokens, q, candidates
