@@ -38,6 +38,7 @@
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
 #include "sglang_dflash/sampling.h"
+#include "sglang_dflash/variants.h"
 
 namespace sglang_dflash::cuda {
 namespace {
@@ -73,6 +74,7 @@ struct Scratch {
   int i[kWarps];
   int scan[kWarps];
   int value;
+  uint32_t best_key;  // "fused": the best score any thread has reached, as a float_to_key key
 };
 
 // Block-wide sum in a fixed order (lanes by shuffle, then warps 0..kWarps-1), so results are
@@ -169,6 +171,31 @@ struct GlobalRow {
     }
 #pragma unroll 4
     for (int64_t v = tail + threadIdx.x; v < vocab; v += kThreads) f(x(v), static_cast<int>(v));
+  }
+
+  // As for_each, but every lane of a warp runs the same iterations (f(x, id, valid), valid false
+  // past the row's end), so f may use warp-wide instructions. Order per lane: as for_each.
+  template <typename F>
+  __device__ __forceinline__ void for_each_warp_uniform(F f) const {
+    constexpr int kVec = 16 / sizeof(T);
+    const int lane = threadIdx.x % 32, warp_base = threadIdx.x - lane;
+    int64_t tail = 0;
+    if (reinterpret_cast<uintptr_t>(raw) % 16 == 0) {
+      const int64_t n_vec = vocab / kVec;
+      const uint4* src = reinterpret_cast<const uint4*>(raw);
+      for (int64_t c0 = warp_base; c0 < n_vec; c0 += kThreads) {
+        const int64_t c = c0 + lane;
+        float vals[kVec];
+        unpack16<T>(c < n_vec ? src[c] : make_uint4(0, 0, 0, 0), vals);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) f(__fmul_rn(vals[j], inv_t), static_cast<int>(c * kVec + j), c < n_vec);
+      }
+      tail = n_vec * kVec;
+    }
+    for (int64_t v0 = tail + warp_base; v0 < vocab; v0 += kThreads) {
+      const int64_t v = v0 + lane;
+      f(v < vocab ? x(v) : 0.0f, static_cast<int>(v), v < vocab);
+    }
   }
 };
 
@@ -294,7 +321,157 @@ __device__ Best gumbel_smem(const SmemSet& set, float floor, Best seed_best, con
   return block_best<kWarps>(best, s.best);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The "fused" variant's paths.
+
+// Temperature only, in one pass over the row (16-byte loads): each thread keeps its running
+// Gumbel-max and skips a group of four ids without drawing its Philox block when none can reach
+// the threshold, and a token without its double logs when its bound cannot. The threshold is the
+// larger of the thread's best score and the block's (s.best_key, raised by atomicMax as threads
+// improve): always a score some token reached, so a token skipped against it scores strictly
+// below an existing score and cannot be the row's winner (nor tie it). The winner is therefore the
+// exact argmax, lowest id on ties, whatever the threads' timing.
 template <typename T>
+__device__ Best gumbel_one_pass(const GlobalRow<T>& row, const RowRng& rng, Scratch& s) {
+  if (threadIdx.x == 0) s.best_key = float_to_key(-INFINITY);
+  __syncthreads();
+  volatile uint32_t* shared_best = &s.best_key;
+  Best best{-INFINITY, INT_MAX};
+  // Ids 4g .. 4g + n - 1 with scaled logits x.
+  auto group = [&](uint32_t g, const float (&x)[4], int n) {
+    const float threshold = fmaxf(best.value, key_to_float(*shared_best));
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) any |= j < n && x[j] + kMaxGumbelNoise >= threshold;
+    if (!any) return;
+    uint32_t lanes[4];
+    rng.lanes4(g, lanes);
+    const float before = best.value;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j < n && x[j] + gumbel_upper_bound(lanes[j]) >= threshold) {
+        consider(best, __fadd_rn(x[j], gumbel_from_bits(lanes[j])), static_cast<int>(4 * g + j));
+      }
+    }
+    if (best.value > before) atomicMax(&s.best_key, float_to_key(best.value));
+  };
+  constexpr int kVec = 16 / sizeof(T);
+  int64_t tail = 0;
+  if (reinterpret_cast<uintptr_t>(row.raw) % 16 == 0) {
+    const int64_t n_vec = row.vocab / kVec;
+    const uint4* src = reinterpret_cast<const uint4*>(row.raw);
+    for (int64_t c = threadIdx.x; c < n_vec; c += kThreads) {
+      float vals[kVec];
+      unpack16<T>(src[c], vals);
+#pragma unroll
+      for (int q = 0; q < kVec / 4; ++q) {  // a vector holds whole Philox groups (kVec is 4 or 8)
+        const float x[4] = {__fmul_rn(vals[4 * q], row.inv_t), __fmul_rn(vals[4 * q + 1], row.inv_t),
+                            __fmul_rn(vals[4 * q + 2], row.inv_t), __fmul_rn(vals[4 * q + 3], row.inv_t)};
+        group(static_cast<uint32_t>(c * (kVec / 4) + q), x, 4);
+      }
+    }
+    tail = n_vec * kVec;  // a multiple of 4: the tail starts at a group boundary
+  }
+  for (int64_t g = tail / 4 + threadIdx.x; 4 * g < row.vocab; g += kThreads) {
+    const int n = static_cast<int>(min(int64_t{4}, row.vocab - 4 * g));
+    const float x[4] = {row.x(4 * g), n > 1 ? row.x(4 * g + 1) : 0.0f, n > 2 ? row.x(4 * g + 2) : 0.0f,
+                        n > 3 ? row.x(4 * g + 3) : 0.0f};
+    group(static_cast<uint32_t>(g), x, n);
+  }
+  best = block_best<kWarps>(best, s.best);
+  if (best.index == INT_MAX) best.index = 0;  // a row of NaNs: id 0, as the default variant
+  return best;
+}
+
+constexpr int kSegment = kCap / kWarps;  // "fused": candidates each warp may keep
+
+// Compacts the tokens with x >= edge into per-warp segments of kSegment entries: each warp appends
+// what it reads, in its own (fixed) order, by ballot and popcount, with no block-wide step; unused
+// entries become NaN, which no count, sum or comparison takes. Returns the candidates, or -1 when
+// some warp found more than kSegment (the caller then searches the whole row). Also adds
+// exp(x - max) of every token to *total when need_total.
+template <typename T>
+__device__ int compact_by_warps(const GlobalRow<T>& row, float edge, bool need_total, float max, float* total,
+                                float* cand_x, int* cand_id, Scratch& s) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned lower = (1u << lane) - 1u;  // lanes below this one
+  float* seg_x = cand_x + warp * kSegment;
+  int* seg_id = cand_id + warp * kSegment;
+  int count = 0;  // warp-uniform
+  float mass = 0.0f;
+  row.for_each_warp_uniform([&](float x, int v, bool valid) {
+    const bool take = valid && x >= edge;
+    if (need_total && valid) mass += expf(x - max);
+    const unsigned taken = __ballot_sync(0xffffffffu, take);
+    const int pos = count + __popc(taken & lower);
+    if (take && pos < kSegment) {
+      seg_x[pos] = x;
+      seg_id[pos] = v;
+    }
+    count += __popc(taken);
+  });
+  for (int j = count + lane; j < kSegment; j += 32) seg_x[j] = __int_as_float(0x7fc00000);  // NaN
+  if (lane == 0) s.i[warp] = count;
+  *total = mass;
+  __syncthreads();
+  int n = 0;
+  bool overflow = false;
+  for (int w = 0; w < kWarps; ++w) {
+    n += s.i[w];
+    overflow |= s.i[w] > kSegment;
+  }
+  __syncthreads();
+  return overflow ? -1 : n;
+}
+
+// Radix select: the key of the k-th largest value of the set (k <= its size; NaN entries are not
+// in it), with the CPU twin's kth_largest's tie rule: that bisection returns the largest key t
+// with count(x >= t) >= k, which is the k-th largest value's key, except that -0 counts as +0
+// there (x >= +0 holds for -0), so a -0 answer becomes +0. Three passes of 12, 12 and 8 bits, each
+// a shared histogram of the entries that match the key bits found so far (integer atomics: the
+// same counts whatever their order) and one scan from the top bin.
+__device__ float kth_largest_radix(const SmemSet& set, int k, int* hist, Scratch& s) {
+  uint32_t prefix = 0, known = 0;  // key bits found so far, and which
+  for (int level = 0; level < 3; ++level) {
+    const int shift = level == 0 ? 20 : level == 1 ? 8 : 0;
+    const int bins = level == 2 ? 256 : 4096;
+    for (int j = threadIdx.x; j < bins; j += kThreads) hist[j] = 0;
+    __syncthreads();
+    set.for_each([&](float x, int) {
+      const uint32_t key = float_to_key(x);
+      if (x == x && (key & known) == prefix) atomicAdd(&hist[(key >> shift) & (bins - 1)], 1);
+    });
+    __syncthreads();
+    // Thread t owns the `per` bins from bins - 1 - t * per down (none past bin 0); the prefix sum
+    // over threads counts the entries in higher bins.
+    const int per = (bins + kThreads - 1) / kThreads;
+    int own = 0;
+    for (int j = 0; j < per; ++j) {
+      const int bin = bins - 1 - static_cast<int>(threadIdx.x) * per - j;
+      if (bin >= 0) own += hist[bin];
+    }
+    int all;
+    int above = block_exclusive_scan(own, &all, s);
+    for (int j = 0; j < per; ++j) {
+      const int bin = bins - 1 - static_cast<int>(threadIdx.x) * per - j;
+      if (bin < 0) break;
+      if (above < k && above + hist[bin] >= k) {  // the k-th largest is in this bin
+        s.value = bin;
+        s.i[0] = above;
+      }
+      above += hist[bin];
+    }
+    __syncthreads();
+    prefix |= static_cast<uint32_t>(s.value) << shift;
+    known |= static_cast<uint32_t>(bins - 1) << shift;
+    k -= s.i[0];
+    __syncthreads();
+  }
+  const float t = key_to_float(prefix);
+  return t == 0.0f ? 0.0f : t;
+}
+
+template <typename T, bool kFused>
 __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParams p) {
   extern __shared__ __align__(16) int smem[];
   int* hist = smem;                                        // [kBins]
@@ -324,6 +501,13 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
   const bool use_p = top_p < 1.0f;
   const bool filtered = use_k || use_p;
   const RowRng rng{p.seed, static_cast<uint64_t>(p.offsets[b]), i};
+  if constexpr (kFused) {
+    if (!filtered) {
+      const Best best = gumbel_one_pass(src, rng, s);
+      if (threadIdx.x == 0) p.target[row] = best.index;
+      return;
+    }
+  }
 
   // Pass 1: max / first argmax of x, and (filters on) the key histogram.
   if (filtered) {
@@ -353,8 +537,11 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
     return;
   }
 
-  // Lowest histogram bin b* whose suffix (bins >= b*) holds at most kCap tokens. Thread t owns
-  // bins kBins-1-t*kBinsPerThread downwards, so a prefix scan over threads counts higher bins.
+  // Lowest histogram bin b* whose suffix (bins >= b*) holds at most kCap tokens ("fused": half of
+  // that, so that each warp's segment of kCap / kWarps is rarely outrun).
+  // Thread t owns bins kBins-1-t*kBinsPerThread downwards, so a prefix scan over threads counts
+  // higher bins.
+  constexpr int kBudget = kFused ? kCap / 2 : kCap;
   int own[kBinsPerThread];
   int own_sum = 0;
 #pragma unroll
@@ -368,9 +555,9 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
 #pragma unroll
   for (int j = 0; j < kBinsPerThread; ++j) {
     above += own[j];  // tokens in bins >= this one
-    too_big += above > kCap;
+    too_big += above > kBudget;
   }
-  const int b_star = block_sum(too_big, s.i);  // bins [0, b_star) have suffixes over kCap
+  const int b_star = block_sum(too_big, s.i);  // bins [0, b_star) have suffixes over kBudget
   // Bins below 8 hold only -inf and NaN keys (their edges are NaNs as floats): take -inf there.
   // Bin 8's edge is -FLT_MAX.
   const float edge = b_star < 8 ? -INFINITY : key_to_float(static_cast<uint32_t>(b_star) << kBinShift);
@@ -381,7 +568,12 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
   const bool need_total = use_p && !use_k;
   float total_part = 0.0f;
   int n_cand = 0;
-  if (in_smem) {
+  if constexpr (kFused) {
+    if (in_smem) {
+      n_cand = compact_by_warps(src, edge, need_total, max, &total_part, cand_x, cand_id, s);
+      in_smem = n_cand >= 0 && (!use_k || n_cand >= top_k);
+    }
+  } else if (in_smem) {
     constexpr int kPer = 4;
     for (int64_t c0 = 0; c0 < p.vocab; c0 += int64_t{kThreads} * kPer) {
       const int64_t v0 = c0 + threadIdx.x * kPer;
@@ -412,12 +604,16 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const VerifyParam
     in_smem = n_cand <= kCap && (!use_k || n_cand >= top_k);
   }
 
-  const SmemSet set{cand_x, cand_id, min(n_cand, kCap)};
+  // "fused": the whole array, NaN-padded segments included.
+  const SmemSet set{cand_x, cand_id, kFused ? kCap : min(n_cand, kCap)};
   const uint64_t max_key = float_to_key(max);
   float floor = -INFINITY;
   if (in_smem) {
     // Every token with x >= edge is in the set, and (checked) the answers lie at or above edge.
-    if (use_k) floor = kth_largest(set, top_k, float_to_key(edge), max_key, s);
+    if (use_k) {
+      floor = kFused ? kth_largest_radix(set, static_cast<int>(top_k), hist, s)
+                     : kth_largest(set, top_k, float_to_key(edge), max_key, s);
+    }
     if (use_p) {
       const float total = use_k ? sum_above(set, -INFINITY, floor, max, s)
                                 : block_sum(total_part, s.f);
@@ -464,6 +660,9 @@ __global__ void accept_kernel(const int64_t* candidates, const void* target, boo
       cand, block_size, [&](int i) { return read_index(target, target64, b * block_size + i); },
       out_tokens + b * block_size, accept_len + b);
 }
+
+[[maybe_unused]] const bool variants_registered =
+    register_kernel_variants(VariantOp::kVerifyBlock, {"default", "fused"});
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_results(const at::Tensor& candidates) {
   const int64_t batch = candidates.size(0), block = candidates.size(1);
@@ -518,8 +717,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block(
   p.seed = static_cast<uint64_t>(seed);
   p.target = target.data_ptr<int64_t>();
   const auto rows = static_cast<unsigned>(shape.batch * shape.block_size);
+  // Kernel variants (variants.h): "default", or "fused" (one pass for temperature-only rows;
+  // warp-ballot compaction and a radix top-k select for filtered rows).
+  const bool fused = selected_kernel_variant(VariantOp::kVerifyBlock) == 1;
   SGLD_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "verify_block", [&] {
-    auto kernel = sample_rows_kernel<scalar_t>;
+    auto kernel = fused ? sample_rows_kernel<scalar_t, true> : sample_rows_kernel<scalar_t, false>;
     // 48 KiB of dynamic shared memory plus the static scratch: above the default limit.
     allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kSmemBytes);
     kernel<<<rows, kThreads, kSmemBytes, stream>>>(p);
