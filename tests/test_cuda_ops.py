@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from sglang_dflash import ops
-from sglang_dflash.ops import reference
+from sglang_dflash.ops import reference, variants
 from sglang_dflash.ops.testing import (
     follow_targets,
     make_attention_inputs,
@@ -209,6 +209,86 @@ def test_block_attention_validation_errors():
         ops.block_attention(**args, block_size=4, window=0)
 
 
+# Every compiled variant of block_attention's tensor-core kernel (ops.variants), against the spec.
+# The cases cover each head_dim, row tiles beyond one CTA's rows (group 8), windows, causal
+# blocks, trees, empty contexts and a long context (the split + merge path under each policy).
+VARIANT_ATTN_CASES = [
+    # bs, B, Hq, Hkv, D, ctx_lens, window, causal, tree
+    (3, 16, 8, 2, 128, [0, 37, 300], -1, False, False),
+    (2, 16, 4, 4, 64, [129, 64], -1, True, False),
+    (2, 8, 16, 2, 256, [50, 500], -1, False, False),
+    (4, 16, 32, 4, 128, [700, 1, 64, 2000], 64, False, False),  # group 8: 128 rows per kv head
+    (2, 16, 8, 1, 64, [300, 5], 7, True, False),
+    (2, 12, 8, 2, 128, [90, 400], -1, False, True),
+    (1, 16, 32, 8, 128, [9000], -1, False, False),
+]
+
+
+def _in_variant(op: str, name: str, fn):
+    """fn() with `name` selected; a variant that needs more shared memory than this GPU has is skipped."""
+    with variants.using_variant(op, name):
+        try:
+            return fn()
+        except ValueError as exc:
+            if "bytes of shared memory" in str(exc):
+                pytest.skip(str(exc))
+            raise
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", VARIANT_ATTN_CASES)
+@pytest.mark.parametrize("variant", variants.kernel_variants("block_attention"))
+def test_block_attention_variant_matches_reference(variant, case, dtype):
+    bs, block, hq, hkv, d, ctx_lens, window, causal, tree = case
+    seed = VARIANT_ATTN_CASES.index(case)
+    args = _attention_inputs(bs, block, hq, hkv, d, ctx_lens, dtype, seed=seed)
+    parents = None
+    if tree:
+        parents = make_tree(bs, block, 100, torch.Generator().manual_seed(seed), unused=0.1)[1].to(DEV)
+    kwargs = dict(block_size=block, window=window, causal_block=causal, tree_parents=parents)
+    _poison_allocator()
+    out = _in_variant("block_attention", variant, lambda: ops.block_attention(**args, **kwargs))
+    torch.cuda.synchronize()
+    assert out.dtype == dtype and out.shape == args["q"].shape
+    assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
+    _assert_close(out, reference.block_attention(**args, **kwargs), dtype)
+
+
+@pytest.mark.parametrize("variant", variants.kernel_variants("block_attention"))
+def test_block_attention_variant_deterministic_and_graph_capture(variant):
+    """Each variant: repeated calls are bit-identical; a graph captured inside the variant's scope
+    replays that variant on new data (the same bits as an eager call in the scope)."""
+    args = _attention_inputs(2, 16, 32, 8, 128, [900, 33], torch.bfloat16, width=1000, seed=11)
+    kwargs = dict(block_size=16, window=100, causal_block=True)
+    with variants.using_variant("block_attention", variant):
+        eager = _in_variant("block_attention", variant, lambda: ops.block_attention(**args, **kwargs))
+        assert torch.equal(eager, ops.block_attention(**args, **kwargs))
+        static = {k: v.clone() for k, v in args.items()}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            ops.block_attention(**static, **kwargs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ops.block_attention(**static, **kwargs)
+        fresh = _attention_inputs(2, 16, 32, 8, 128, [433, 500], torch.bfloat16, width=1000, seed=12)
+        for k in static:
+            static[k].copy_(fresh[k])
+        expected = ops.block_attention(**fresh, **kwargs)
+    graph.replay()  # outside the scope: the captured variant still runs
+    torch.cuda.synchronize()
+    assert torch.equal(captured, expected)
+
+
+def test_block_attention_variants_listed():
+    names = variants.kernel_variants("block_attention")
+    assert names[0] == "default" and len(names) == len(set(names)) > 1
+    with pytest.raises(ValueError, match="no kernel variant"):
+        with variants.using_variant("block_attention", "no-such-variant"):
+            pass
+
+
 # ------------------------------------------------------------------------------------------------
 # verify_block
 
@@ -320,6 +400,50 @@ def test_verify_sampling_matches_cpu(case, dtype):
         assert torch.equal(a, b), (gpu, cpu)
     # The spec's sort-based top-p mask rounds differently; allow one boundary row.
     assert int((gpu[0] == block - 1).sum()) >= bs - 1, gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", SAMPLING_CASES + [(0.8, 0, 1.0, 30.0, 151936), (0.0, 0, 1.0, 3.0, 5003)])
+@pytest.mark.parametrize("variant", variants.kernel_variants("verify_block"))
+def test_verify_variant_matches_cpu(variant, case, dtype):
+    """Each verify_block variant, row by row (B = 1, every row a request): the same tokens as the CPU
+    twin (and repeated runs the same bits). The extra cases: peaked temperature-only rows (most ids
+    pruned) and greedy rows of an odd vocabulary."""
+    temperature, top_k, top_p, scale, vocab = case
+    bs, block = 4, 8
+    logits, _ = _verify_inputs(bs, block, vocab, dtype, scale=scale, seed=vocab + top_k + 1)
+    temp, topk, topp, offs = _params(bs, temperature, top_k, top_p, seed=top_k + 2)
+    rep = lambda t: t.repeat_interleave(block)  # noqa: E731
+    rows = (logits, rep(temp), rep(topk), rep(topp), 99, rep(offs))
+    _poison_allocator()
+    with variants.using_variant("verify_block", variant):
+        gpu = _row_tokens(DEV, *rows)
+        assert torch.equal(gpu, _row_tokens(DEV, *rows))
+    assert torch.equal(gpu, _row_tokens("cpu", *rows))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("variant", variants.kernel_variants("verify_block"))
+def test_verify_variant_mixed_batch_unaligned_and_masked(variant, masked):
+    """Greedy and sampled requests in one batch, rows 2 bytes off a 16-byte boundary, rows of mostly
+    -inf (grammar masks) and one all -inf row: each variant equals the CPU twin."""
+    gen = torch.Generator().manual_seed(5)
+    bs, block, vocab = 4, 4, 3001
+    full = torch.randn(bs * block, vocab + 1, generator=gen).to(torch.bfloat16)
+    logits = full[:, 1:]
+    if masked:
+        logits[torch.rand(bs * block, vocab, generator=gen) < 0.7] = float("-inf")
+        logits[0] = float("-inf")
+    cand = torch.randint(0, vocab, (bs, block), generator=gen)
+    temp = torch.tensor([0.0, 1.0, 0.7, 0.5])
+    topk = torch.tensor([0, 10, 0, 3], dtype=torch.int32)
+    topp = torch.tensor([1.0, 0.8, 1.0, 1.0])
+    offs = torch.tensor([5, 6, 7, -8])
+    with variants.using_variant("verify_block", variant):
+        gpu = _run_verify(DEV, cand, logits, temp, topk, topp, -3, offs)
+    cpu = _run_verify("cpu", cand, logits.contiguous(), temp, topk, topp, -3, offs)
+    for a, b in zip(gpu, cpu, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", _cpu_cases("test_ops_verify", "STOCHASTIC_CASES"))
