@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from bench.provenance import run_info
+from sglang_dflash.control.tree import DEFAULT_TREE_MIN_PROB
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import DRAFT_DTYPES, SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine import HFTarget, SamplingParams, load_drafter
@@ -41,7 +42,6 @@ from sglang_dflash.engine.compare import compare
 from sglang_dflash.engine.drafters import resolve_draft_dtype
 from sglang_dflash.engine.packaged import model_dir
 from sglang_dflash.engine.target import TARGET_DTYPES
-from sglang_dflash.engine.tree import DEFAULT_TREE_MIN_PROB
 from sglang_dflash.models import DFlashConfig
 from sglang_dflash.train.code_prompts import complete_function_prompt
 

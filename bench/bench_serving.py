@@ -55,7 +55,7 @@ from bench.bench_e2e import DEFAULT_GSM8K, load_prompts
 from bench.provenance import run_info
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
-from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_args, server_env
+from sglang_dflash.serving.local_server import LocalServer, free_port, launch_args, server_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = "smollm2-135m"

@@ -55,7 +55,7 @@ from bench.provenance import run_info
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
-from sglang_dflash.sglang.local_server import (
+from sglang_dflash.serving.local_server import (
     LocalServer,
     free_port,
     launch_args,

@@ -260,7 +260,7 @@ SGLANG_DFLASH_STANDIN = True
 
 def _forward(name):
     """As the real sgl_kernel wrappers do: call torch.ops.sgl_kernel.<name>. sglang-dflash's plugin
-    registers these speculative-path ops there on CPU servers (sglang_dflash/sglang/sgl_kernel_ops.py);
+    registers these speculative-path ops there on CPU servers (sglang_dflash/serving/sgl_kernel_ops.py);
     without the plugin SGLang refuses DFLASH on CPU anyway."""
 
     def op(*args):

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree-min-prob", type=float, metavar="P",
                    help="leave out of a greedy tree the nodes whose path probability (the product of the draft "
                         "probabilities on it) is below P, so an unsure step verifies fewer rows (default: the "
-                        "engine's, DEFAULT_TREE_MIN_PROB in engine/tree.py; 0: every tree fills its budget; "
+                        "engine's, DEFAULT_TREE_MIN_PROB in control/tree.py; 0: every tree fills its budget; "
                         "sampled trees always do)")
     g.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                    help="dtype the draft model runs in (int8: int8 weights with a scale per row, bf16 activations, "
@@ -214,15 +214,15 @@ def train(args: argparse.Namespace) -> int:
 def generate(args: argparse.Namespace) -> int:
     import torch
 
-    from sglang_dflash.drafters import resolve_draft
-    from sglang_dflash.engine import Generator, HFTarget, SamplingParams, load_drafter
-    from sglang_dflash.engine.drafters import NoDrafter
-    from sglang_dflash.engine.tree import (
+    from sglang_dflash.control.tree import (
         DEFAULT_TREE_MIN_PROB,
         default_tree_budget,
         most_tree_nodes,
         validate_tree_options,
     )
+    from sglang_dflash.drafters import resolve_draft
+    from sglang_dflash.engine import Generator, HFTarget, SamplingParams, load_drafter
+    from sglang_dflash.engine.drafters import NoDrafter
 
     if not args.prompt and not args.prompt_ids:
         raise ValueError("give at least one --prompt or --prompt-ids")

@@ -17,6 +17,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from sglang_dflash.engine import DFlashDrafter, HFTarget
 from sglang_dflash.models import DFlashConfig, DFlashDraftModel
+from sglang_dflash.models.skinny import w8a8_applies
+from sglang_dflash.ops import reference
+from sglang_dflash.ops.testing import skinny_linear_error_ratio
 
 TINY_VOCAB = 96
 STOP_TOKEN = 7
@@ -128,3 +131,13 @@ class CandidateOracle(DFlashDrafter):
         for b, (r, n) in enumerate(zip(reqs, counts, strict=True)):
             self.committed.setdefault(r, []).append(taps[b, :n].clone())
         super().commit(reqs, counts, taps)
+
+
+def int8_linear_is_right(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         weight_scale: torch.Tensor) -> bool:
+    """Whether `out` is what an int8 weight's linear layer on the CPU (models/skinny.py `linear`)
+    should give: w8a8_linear's result bit for bit where that kernel takes it, else skinny_linear's
+    within its rounding bound."""
+    if w8a8_applies(x, weight, bias, weight_scale):
+        return torch.equal(out, reference.w8a8_linear(x, weight, weight_scale, bias))
+    return bool((skinny_linear_error_ratio(out, x, weight, bias, weight_scale) <= 1).all())

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dflash.engine import DFlashDrafter, Generator, OracleDrafter, SamplingParams
-from sglang_dflash.engine.block_size import (
+from sglang_dflash.control.block_size import (
     AFTER_PLAIN,
     ALL_ACCEPTED,
     FIRST_STEP,
@@ -21,7 +20,8 @@ from sglang_dflash.engine.block_size import (
     StepTimeModel,
     next_state,
 )
-from sglang_dflash.engine.chain_or_tree import ChainOrTreeController
+from sglang_dflash.control.chain_or_tree import ChainOrTreeController
+from sglang_dflash.engine import DFlashDrafter, Generator, OracleDrafter, SamplingParams
 from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, tiny_target
 
 

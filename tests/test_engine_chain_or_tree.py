@@ -1,4 +1,4 @@
-"""The adaptive choice between chains and draft trees (engine/chain_or_tree.py): simulated at this
+"""The adaptive choice between chains and draft trees (control/chain_or_tree.py): simulated at this
 CPU's step costs, where rows cost compute and chains win, and at a GPU's, where rows are nearly free
 and trees win; then in real generation, lossless with both kinds of step."""
 
@@ -10,9 +10,9 @@ import random
 
 import pytest
 
+from sglang_dflash.control.block_size import BlockSizeController
+from sglang_dflash.control.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
 from sglang_dflash.engine import DFlashDrafter, Generator, SamplingParams
-from sglang_dflash.engine.block_size import BlockSizeController
-from sglang_dflash.engine.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
 from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, tiny_target
 from tests.test_engine_block_size import PROMPTS, accepted_run
 

@@ -13,12 +13,12 @@ import torch
 from safetensors import safe_open
 
 from bench import bench_e2e
+from sglang_dflash.control.tree import DEFAULT_TREE_MIN_PROB
 from sglang_dflash.drafters import SHIPPED_DRAFTERS, resolve_draft
 from sglang_dflash.engine import DFlashDrafter, SamplingParams
 from sglang_dflash.engine.compare import compare
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.generator import Generator
-from sglang_dflash.engine.tree import DEFAULT_TREE_MIN_PROB
 from sglang_dflash.models import load_draft
 from tests.dflash_testlib import random_draft, tiny_target
 

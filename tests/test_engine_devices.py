@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_dflash.control.tree import DEFAULT_TREE_BUDGET
 from sglang_dflash.engine import DFlashDrafter, Generator, SamplingParams
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.target import HFTarget
-from sglang_dflash.engine.tree import DEFAULT_TREE_BUDGET
 from tests.dflash_testlib import STOP_TOKEN, CandidateOracle, random_draft, tiny_target
 from tests.kernel_devices import DEVICES
 

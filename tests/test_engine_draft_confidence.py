@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
+from sglang_dflash.control.block_size import BlockSizeController
+from sglang_dflash.control.draft_confidence import ConfidenceCalibration
 from sglang_dflash.engine import DFlashDrafter
-from sglang_dflash.engine.block_size import BlockSizeController
-from sglang_dflash.engine.draft_confidence import ConfidenceCalibration
 from sglang_dflash.engine.drafters import DraftSampling
 from tests.dflash_testlib import random_draft, tiny_target
 

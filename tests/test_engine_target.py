@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dflash.engine.tree import tree_ancestors
+from sglang_dflash.ops.reference import tree_ancestors
 from tests.dflash_testlib import tiny_target
 
 

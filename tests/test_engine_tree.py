@@ -10,10 +10,7 @@ import math
 import pytest
 import torch
 
-from sglang_dflash.engine import DFlashDrafter, Generator, SamplingParams
-from sglang_dflash.engine.drafters import NoDrafter
-from sglang_dflash.engine.target import MAX_DEAD_COLUMNS
-from sglang_dflash.engine.tree import (
+from sglang_dflash.control.tree import (
     DEFAULT_TREE_BUDGET,
     MAX_TREE_BUDGET,
     MAX_TREE_TOPK,
@@ -24,6 +21,9 @@ from sglang_dflash.engine.tree import (
     default_tree_budget,
     most_tree_nodes,
 )
+from sglang_dflash.engine import DFlashDrafter, Generator, SamplingParams
+from sglang_dflash.engine.drafters import NoDrafter
+from sglang_dflash.engine.target import MAX_DEAD_COLUMNS
 from tests.dflash_testlib import STOP_TOKEN, TINY_VOCAB, CandidateOracle, hf_greedy, random_draft, tiny_target
 
 PROMPTS = [[3, 4, 5], list(range(10, 30)), [50, 60, 70, 80, 90, 11, 12], [5]]

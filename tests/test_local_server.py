@@ -1,4 +1,4 @@
-"""sglang_dflash/sglang/local_server.py's port choice and start-up failure detection, with stand-in
+"""sglang_dflash/serving/local_server.py's port choice and start-up failure detection, with stand-in
 processes instead of SGLang servers (what is tested is the harness, not SGLang)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sglang_dflash.sglang.local_server import SERVER_PORTS, LocalServer, free_port
+from sglang_dflash.serving.local_server import SERVER_PORTS, LocalServer, free_port
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_bindable():

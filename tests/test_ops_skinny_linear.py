@@ -21,8 +21,8 @@ from sglang_dflash.models.skinny import (
     use_skinny_linear,
 )
 from sglang_dflash.ops import reference
-from sglang_dflash.ops.testing import int8_linear_is_right, skinny_linear_error_ratio
-from tests.dflash_testlib import cpu_flags, run_fresh_python
+from sglang_dflash.ops.testing import skinny_linear_error_ratio
+from tests.dflash_testlib import cpu_flags, int8_linear_is_right, run_fresh_python
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -86,7 +86,7 @@ def _run(code: str) -> str:
 def test_missing_ops_are_registered_under_sglangs_names():
     out = _run("""
         import torch
-        from sglang_dflash.sglang.sgl_kernel_ops import SCHEMAS, register_missing
+        from sglang_dflash.serving.sgl_kernel_ops import SCHEMAS, register_missing
         print(sorted(register_missing()) == sorted(SCHEMAS))
         print(register_missing())  # a second call finds them all
         table = torch.zeros(3, 8, dtype=torch.int32)
@@ -103,7 +103,7 @@ def test_an_sgl_kernel_that_has_an_op_keeps_it():
         lib = torch.library.Library("sgl_kernel", "FRAGMENT")  # as a CPU build of sgl-kernel would
         lib.define("copy_all_layer_kv_cache_cpu(Tensor a, Tensor b, Tensor c, Tensor d) -> ()")
         lib.impl("copy_all_layer_kv_cache_cpu", lambda a, b, c, d: print("theirs"), "CPU")
-        from sglang_dflash.sglang.sgl_kernel_ops import register_missing
+        from sglang_dflash.serving.sgl_kernel_ops import register_missing
         print(sorted(register_missing()))
         t = torch.zeros(1)
         torch.ops.sgl_kernel.copy_all_layer_kv_cache_cpu(t, t, t, t)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dflash.sglang.local_server import LocalServer, free_port, launch_args, server_env
+from sglang_dflash.serving.local_server import LocalServer, free_port, launch_args, server_env
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip(
@@ -152,7 +152,7 @@ def test_server_log_names_our_worker_and_kernels(servers):
     spec, base = servers
     _generate(spec, PROMPTS[0])
     log = spec.text()
-    worker = "sglang_dflash.sglang.worker.DFlashKernelWorker"
+    worker = "sglang_dflash.serving.worker.DFlashKernelWorker"
     assert f"sglang-dflash: speculative algorithm DFLASH runs worker {worker}" in log
     assert "sglang-dflash: first verify on cpu ran sglang_dflash kernels" in log
     assert "sglang-dflash: 1 draft attention layers run block_attention in TARGET_VERIFY" in log

@@ -1,5 +1,5 @@
-"""The served drafter's weights in int8 (sglang_dflash/sglang/draft_int8.py) and the batch-invariant
-linear hook that runs them (sglang_dflash/sglang/cpu.py), on the CPU. The linear layers are
+"""The served drafter's weights in int8 (sglang_dflash/serving/draft_int8.py) and the batch-invariant
+linear hook that runs them (sglang_dflash/serving/cpu.py), on the CPU. The linear layers are
 stand-ins carrying SGLang's own `UnquantizedLinearMethod` (SGLang's parallel linear classes need
 its tensor-parallel state); the served path end to end is tests/test_sglang_smollm2_server.py.
 
@@ -25,9 +25,10 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod  # noqa: E402
 
 from sglang_dflash.models.skinny import Int8Linear  # noqa: E402
-from sglang_dflash.ops.testing import int8_linear_is_right, skinny_linear_error_ratio  # noqa: E402
-from sglang_dflash.sglang.cpu import _unquantized_linear_around  # noqa: E402
-from sglang_dflash.sglang.draft_int8 import ATTR, int8_wanted, int8_weight, quantize_draft_linears  # noqa: E402
+from sglang_dflash.ops.testing import skinny_linear_error_ratio  # noqa: E402
+from sglang_dflash.serving.cpu import _unquantized_linear_around  # noqa: E402
+from sglang_dflash.serving.draft_int8 import ATTR, int8_wanted, int8_weight, quantize_draft_linears  # noqa: E402
+from tests.dflash_testlib import int8_linear_is_right  # noqa: E402
 
 
 class _Linear(nn.Module):

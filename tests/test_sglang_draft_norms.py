@@ -1,4 +1,4 @@
-"""The served drafter's norms through rms_norm_rope (sglang_dflash/sglang/draft_norms.py), against
+"""The served drafter's norms through rms_norm_rope (sglang_dflash/serving/draft_norms.py), against
 SGLang's own modules on the CPU: its RMSNorm (with and without a residual) and its q / k norm +
 RoPE (`apply_qk_norm`, then the base `RotaryEmbedding`). The attention's projections and attention
 call are stand-ins recording what SGLang's forward would hand them (a real DFlashAttention needs
@@ -26,7 +26,7 @@ from sglang.srt.layers.rotary_embedding import get_rope  # noqa: E402
 from sglang.srt.models.utils import apply_qk_norm  # noqa: E402
 
 from sglang_dflash import _extension, ops  # noqa: E402
-from sglang_dflash.sglang.draft_norms import _ORIGINAL, install_draft_norms  # noqa: E402
+from sglang_dflash.serving.draft_norms import _ORIGINAL, install_draft_norms  # noqa: E402
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -29,12 +29,13 @@ if importlib.util.find_spec("sglang") is None:
 import torch  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from sglang_dflash import settings  # noqa: E402
 from sglang_dflash.ops import reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EP_GROUP = "sglang.srt.plugins"
-EP_VALUE = "sglang_dflash.sglang.plugin:register"
-LOGGER = "sglang_dflash.sglang.plugin"
+EP_VALUE = "sglang_dflash.serving.plugin:register"
+LOGGER = "sglang_dflash.serving.plugin"
 
 
 # -- the plugin module is import-light -------------------------------------------------------
@@ -42,9 +43,9 @@ LOGGER = "sglang_dflash.sglang.plugin"
 
 def test_plugin_module_imports_nothing_heavy():
     code = (
-        "import sys, sglang_dflash.sglang, sglang_dflash.sglang.plugin as p\n"
+        "import sys, sglang_dflash.serving, sglang_dflash.serving.plugin as p\n"
         "assert callable(p.register)\n"
-        "heavy = sorted(m for m in ('torch', 'sglang', 'sglang_dflash._C', 'sglang_dflash.sglang.worker')"
+        "heavy = sorted(m for m in ('torch', 'sglang', 'sglang_dflash._C', 'sglang_dflash.serving.worker')"
         " if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )
@@ -66,7 +67,7 @@ def sglang_plugins(tmp_path, monkeypatch):
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    import sglang_dflash.sglang.plugin as plugin
+    import sglang_dflash.serving.plugin as plugin
 
     if not _entry_point_installed():
         dist = tmp_path / "sglang_dflash_entry_point-0.0.0.dist-info"
@@ -74,12 +75,12 @@ def sglang_plugins(tmp_path, monkeypatch):
         (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-dflash-entry-point\nVersion: 0.0.0\n")
         (dist / "entry_points.txt").write_text(f"[{EP_GROUP}]\nsglang_dflash = {EP_VALUE}\n")
         monkeypatch.syspath_prepend(str(tmp_path))
-    for var in (plugin.ENV_DISABLE, plugin.ENV_STRICT, "SGLANG_PLUGINS", "SGLANG_USE_CPU_ENGINE"):
+    for var in (settings.DISABLE.name, settings.STRICT.name, "SGLANG_PLUGINS", "SGLANG_USE_CPU_ENGINE"):
         monkeypatch.delenv(var, raising=False)
 
     import pkgutil
 
-    from sglang_dflash.sglang import cpu, request_checks
+    from sglang_dflash.serving import cpu, request_checks
 
     saved_attrs = []
     for target in [plugin.HOOK_TARGET, request_checks.HOOK_TARGET] + [t for t, _ in cpu.HOOKS]:
@@ -111,7 +112,7 @@ def sglang_plugins(tmp_path, monkeypatch):
 
 
 def _our_hooks(registry):
-    from sglang_dflash.sglang.plugin import HOOK_TARGET, _create_worker_around
+    from sglang_dflash.serving.plugin import HOOK_TARGET, _create_worker_around
 
     return [h for _, h, _ in registry._hooks.get(HOOK_TARGET, []) if h is _create_worker_around]
 
@@ -123,7 +124,7 @@ def _server_args():
 def test_load_plugins_makes_dflash_use_our_worker(sglang_plugins):
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     s = sglang_plugins
     original = s.SpeculativeAlgorithm.create_worker
@@ -143,7 +144,7 @@ def test_disabled_registers_nothing(sglang_plugins, monkeypatch):
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
     s = sglang_plugins
-    monkeypatch.setenv(s.plugin.ENV_DISABLE, "1")
+    monkeypatch.setenv(settings.DISABLE.name, "1")
     s.load_plugins()
     assert _our_hooks(s.HookRegistry) == []
     assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashWorkerV2
@@ -154,7 +155,7 @@ def test_disabled_at_worker_creation(sglang_plugins, monkeypatch):
 
     s = sglang_plugins
     s.load_plugins()
-    monkeypatch.setenv(s.plugin.ENV_DISABLE, "1")
+    monkeypatch.setenv(settings.DISABLE.name, "1")
     assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashWorkerV2
 
 
@@ -185,7 +186,7 @@ def test_version_mismatch_found_at_worker_creation_falls_back(sglang_plugins, ca
 
 def test_strict_version_mismatch_raises_at_worker_creation(sglang_plugins, monkeypatch):
     s = sglang_plugins
-    monkeypatch.setenv(s.plugin.ENV_STRICT, "1")
+    monkeypatch.setenv(settings.STRICT.name, "1")
     s.plugin.SUPPORTED_SGLANG_VERSIONS = ("0.0.1",)
     s.load_plugins()  # SGLang swallows errors raised here, so strict mode still registers the hook
     assert len(_our_hooks(s.HookRegistry)) == 1
@@ -197,10 +198,10 @@ def test_strict_version_mismatch_raises_at_worker_creation(sglang_plugins, monke
 
 
 def test_strict_with_a_compatible_sglang_uses_our_worker(sglang_plugins, monkeypatch):
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     s = sglang_plugins
-    monkeypatch.setenv(s.plugin.ENV_STRICT, "1")
+    monkeypatch.setenv(settings.STRICT.name, "1")
     s.load_plugins()
     assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashKernelWorker
 
@@ -214,7 +215,7 @@ def _hooked(target):
 def test_cpu_hooks_only_with_sglangs_cpu_engine(sglang_plugins, monkeypatch):
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-    from sglang_dflash.sglang import cpu
+    from sglang_dflash.serving import cpu
 
     s = sglang_plugins
     s.load_plugins()
@@ -225,7 +226,7 @@ def test_cpu_hooks_only_with_sglangs_cpu_engine(sglang_plugins, monkeypatch):
 def test_cpu_hooks_are_installed_with_sglangs_cpu_engine(sglang_plugins, monkeypatch):
     import pkgutil
 
-    from sglang_dflash.sglang import cpu
+    from sglang_dflash.serving import cpu
 
     s = sglang_plugins
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
@@ -237,7 +238,7 @@ def test_cpu_hooks_are_installed_with_sglangs_cpu_engine(sglang_plugins, monkeyp
 
 
 def test_seams_are_present_in_this_sglang():
-    from sglang_dflash.sglang import plugin, worker
+    from sglang_dflash.serving import plugin, worker
 
     assert plugin.version_problem() is None
     assert worker.compatibility_problems() == []
@@ -270,7 +271,7 @@ def test_plugin_runs_in_a_fresh_process_through_load_plugins(tmp_path):
         [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "WORKER sglang_dflash.sglang.worker.DFlashKernelWorker" in proc.stdout
+    assert "WORKER sglang_dflash.serving.worker.DFlashKernelWorker" in proc.stdout
 
 
 # -- _accept_block: ours against SGLang's own torch path -------------------------------------
@@ -284,7 +285,7 @@ def _bare_worker(cls, block_size, *, random_seed=1234, device="cpu",
     """
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync
 
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     w = object.__new__(cls)
     w._dflash_device = torch.device(device)
@@ -378,7 +379,7 @@ def _assert_same_decisions(ours, theirs, prefix_lens):
 def test_greedy_accept_equals_sglang_torch_path(bs, block, vocab, logits_dtype):
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     logits, candidates, prefix_lens = _greedy_case(bs, block, vocab, seed=bs * 1000 + block, logits_dtype=logits_dtype)
     ours_w, theirs_w = _bare_worker(DFlashKernelWorker, block), _bare_worker(DFlashWorkerV2, block)
@@ -395,7 +396,7 @@ def test_deferred_argmax_ids_equal_sglang_torch_path(ids_shape):
     """SGLang's all-greedy fast path hands over argmax ids and no logits."""
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     bs, block, vocab = 9, 16, 300
     logits, candidates, prefix_lens = _greedy_case(bs, block, vocab, seed=7)
@@ -409,7 +410,7 @@ def test_deferred_argmax_ids_equal_sglang_torch_path(ids_shape):
 
 def test_results_live_in_sglangs_double_buffers():
     """Two consecutive steps return different storage (overlap scheduling reads step n while n+1 runs)."""
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     bs, block, vocab = 4, 8, 64
     w = _bare_worker(DFlashKernelWorker, block)
@@ -430,7 +431,7 @@ def test_simulated_acceptance_goes_to_sglang(monkeypatch):
     import sglang.srt.speculative.dflash_worker_v2 as sgl_worker
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     bs, block, vocab = 3, 8, 64
     logits, candidates, prefix_lens = _greedy_case(bs, block, vocab, seed=11)
@@ -450,7 +451,7 @@ def test_simulated_acceptance_goes_to_sglang(monkeypatch):
 
 def test_sampled_accept_matches_the_reference_op():
     """Per-request temperature / top-k / top-p reach verify_block as the op's spec defines them."""
-    from sglang_dflash.sglang.worker import DFlashKernelWorker, unseeded_offsets
+    from sglang_dflash.serving.worker import DFlashKernelWorker, unseeded_offsets
 
     bs, block, vocab, seed = 6, 8, 40, 99
     gen = torch.Generator().manual_seed(5)
@@ -481,7 +482,7 @@ def test_sampled_accept_matches_the_reference_op():
 
 def test_deterministic_inference_offsets_follow_request_seed_and_length():
     """With per-request sampling seeds, the same request state gives the same sample."""
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     bs, block, vocab = 4, 4, 500
     gen = torch.Generator().manual_seed(8)
@@ -498,7 +499,7 @@ def test_deterministic_inference_offsets_follow_request_seed_and_length():
 def test_sampled_bonus_follows_the_target_distribution():
     """Chi-square: with no draft accepted, the bonus is a sample of softmax(logits / T) over the
     top-k / top-p set, independently for every request row."""
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     bs, block, vocab = 6000, 2, 12
     temperature, top_k, top_p = 0.8, 9, 0.9
@@ -528,7 +529,7 @@ def test_sampled_bonus_follows_the_target_distribution():
 
 def test_sampling_on_cpu_does_not_warn_about_a_greedy_fallback(caplog):
     """SGLang has no sampled verify op on CPU and warns it verifies greedily; ours samples."""
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     w = _bare_worker(DFlashKernelWorker, 4)
     batch = types.SimpleNamespace(sampling_info=_sampling_info([0.9], [1 << 30], [1.0]))
@@ -576,7 +577,7 @@ def _verify_attention_case(attn_type, sliding_window_size, seed=0):
 def test_paged_block_attention_over_sglangs_pool(kind):
     from sglang.srt.layers.radix_attention import AttentionType
 
-    from sglang_dflash.sglang.attention import covers, paged_block_attention
+    from sglang_dflash.serving.attention import covers, paged_block_attention
 
     attn_type = AttentionType.ENCODER_ONLY if kind.startswith("draft") else AttentionType.DECODER
     sws = 3 if kind.endswith("sliding") else -1
@@ -602,7 +603,7 @@ def test_attention_swap_leaves_other_calls_to_sglang():
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_dflash.sglang.attention import covers
+    from sglang_dflash.serving.attention import covers
 
     layer, pool, _, fb, q, _, _, _ = _verify_attention_case(AttentionType.ENCODER_ONLY, -1)
     kbuf = pool.get_key_buffer(0)
@@ -626,7 +627,7 @@ def test_attention_swap_leaves_other_calls_to_sglang():
 def test_sampling_seed_is_sglangs_resolved_seed():
     """The noise seed is what the target worker resolved (SGLang draws one when --random-seed is not
     given; server_args.random_seed then stays None), not a fixed 0."""
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     w = _bare_worker(DFlashKernelWorker, 4, random_seed=987654)
     assert w._dflash_seed == 987654
@@ -638,7 +639,7 @@ def test_non_default_accept_thresholds_go_to_sglang(monkeypatch, single, acc):
     run the parent's _accept_block and its sampling-support check; greedy ones stay ours."""
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     calls = []
     monkeypatch.setattr(DFlashWorkerV2, "_accept_block", lambda self, **kw: calls.append("accept") or "parent")
@@ -658,7 +659,7 @@ def test_non_default_accept_thresholds_go_to_sglang(monkeypatch, single, acc):
 
 @pytest.mark.parametrize("device,gpu_id,expected", [("cpu", 0, "cpu"), ("cuda", 3, "cuda:3"), ("cuda:1", 3, "cuda:1")])
 def test_runner_device_names_the_index(device, gpu_id, expected):
-    from sglang_dflash.sglang.worker import runner_device
+    from sglang_dflash.serving.worker import runner_device
 
     assert runner_device(types.SimpleNamespace(device=device, gpu_id=gpu_id)) == torch.device(expected)
 
@@ -682,8 +683,8 @@ def _self_tested_worker(monkeypatch, break_op=None):
     from sglang.srt.layers.radix_attention import AttentionType
 
     from sglang_dflash import _extension
-    from sglang_dflash.sglang.context_kv import ContextKVWriter
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.context_kv import ContextKVWriter
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     def broken(*args):
         raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
@@ -705,7 +706,7 @@ def _self_tested_worker(monkeypatch, break_op=None):
 def test_self_test_switches_on_every_op_that_passes(fresh_kernels, monkeypatch, caplog):
     from sglang_dflash.ops import self_test
     from sglang_dflash.ops.self_test import Attention
-    from sglang_dflash.sglang.attention import _ORIGINAL, covers
+    from sglang_dflash.serving.attention import _ORIGINAL, covers
 
     with caplog.at_level(logging.WARNING):
         w, layer, pool, fb, q = _self_tested_worker(monkeypatch)
@@ -720,7 +721,7 @@ def test_self_test_switches_on_every_op_that_passes(fresh_kernels, monkeypatch, 
 
 
 def test_a_failed_attention_self_test_gives_attention_to_sglang(fresh_kernels, monkeypatch, caplog):
-    from sglang_dflash.sglang.attention import _ORIGINAL, covers
+    from sglang_dflash.serving.attention import _ORIGINAL, covers
 
     with caplog.at_level(logging.WARNING):
         w, layer, pool, fb, q = _self_tested_worker(monkeypatch, break_op="block_attention")
@@ -774,7 +775,7 @@ def test_prompts_that_would_crash_the_scheduler_are_refused_in_the_tokenizer(sgl
     pass through untouched."""
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    from sglang_dflash.sglang import request_checks
+    from sglang_dflash.serving import request_checks
 
     sglang_plugins.load_plugins()
     hooks = sglang_plugins.HookRegistry._hooks.get(request_checks.HOOK_TARGET, [])
@@ -814,7 +815,7 @@ def test_a_device_index_error_aborts_the_steps_requests_and_the_server_serves_on
     ops are a stand-in stream (tests/test_ops_error_watch.py); the real ops run in gpu_check."""
     from sglang_dflash import ops
     from sglang_dflash.ops.error_watch import DeviceErrorWatch
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
     from tests.test_ops_error_watch import StandInStream
 
     def no_sync(*args):
@@ -847,7 +848,7 @@ def test_a_device_index_error_aborts_the_steps_requests_and_the_server_serves_on
 def test_no_device_error_watch_where_nothing_of_ours_can_record_one():
     """On CPU our kernels raise at the call, and a CUDA worker that runs none of our kernels has
     nothing to read: no watch, no snapshot, no sync."""
-    from sglang_dflash.sglang.worker import DFlashKernelWorker
+    from sglang_dflash.serving.worker import DFlashKernelWorker
 
     assert _bare_worker(DFlashKernelWorker, 8)._device_errors is None
     assert _bare_worker(DFlashKernelWorker, 8, device="cuda:0", kernel_ops=())._device_errors is None

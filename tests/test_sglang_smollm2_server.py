@@ -30,11 +30,11 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed (scripts/install_sglang_cpu.sh VENV installs it beside the package)",
                 allow_module_level=True)
 
+from sglang_dflash.control.tree import default_tree_budget
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
-from sglang_dflash.engine.tree import default_tree_budget
-from sglang_dflash.sglang.local_server import (
+from sglang_dflash.serving.local_server import (
     LocalServer,
     free_port,
     launch_args,

@@ -18,14 +18,14 @@ if importlib.util.find_spec("sglang") is None:
 from sglang_dflash import ops
 from sglang_dflash.ops import reference
 from sglang_dflash.ops.testing import follow_targets, make_tree
-from sglang_dflash.sglang import trees
+from sglang_dflash.serving import attention, trees
 
 
 @pytest.fixture(autouse=True)
 def no_tree_left():
-    trees._publish(None)
+    attention.publish_verify_tree(None)
     yield
-    trees._publish(None)
+    attention.publish_verify_tree(None)
 
 
 def _pool(layers, size=96, hkv=2, dim=16, seed=0):
@@ -68,15 +68,13 @@ def _verify_case(attn_type, nodes=6, ctx=(5, 70, 0), seed=0):
 def test_verify_attention_applies_the_published_tree_and_counts_the_layer():
     from sglang.srt.layers.radix_attention import AttentionType
 
-    from sglang_dflash.sglang.attention import paged_block_attention
-
     nodes = 6
     layer, pool, table, fb, q, k, v = _verify_case(AttentionType.DECODER, nodes)
     context_k, context_v = pool.get_key_buffer(0).clone(), pool.get_value_buffer(0).clone()
     _, parents, _ = make_tree(3, nodes, 50, torch.Generator().manual_seed(3), unused=0.2)
-    trees._publish(parents)
-    out = paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table)
-    assert trees._verify_layers == 1
+    attention.publish_verify_tree(parents)
+    out = attention.paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table)
+    assert attention.tree_layers_applied() == 1
     args = dict(q=q.view(-1, 4, 16), k_block=k.view(-1, 2, 16), v_block=v.view(-1, 2, 16), k_cache=context_k,
                 v_cache=context_v, req_to_token=table, req_pool_indices=fb.req_pool_indices, ctx_lens=fb.seq_lens,
                 block_size=nodes, sm_scale=0.3)
@@ -86,18 +84,18 @@ def test_verify_attention_applies_the_published_tree_and_counts_the_layer():
     assert (out - chain.reshape(out.shape)).abs().max() > 1e-3  # the tree's mask, not the chain's
 
     # Without a tree, and in the drafter's (non-causal) layers, the block is what it was.
-    trees._publish(None)
-    torch.testing.assert_close(paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table),
+    attention.publish_verify_tree(None)
+    torch.testing.assert_close(attention.paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table),
                                chain.reshape(out.shape), rtol=1e-5, atol=1e-5)
     draft_layer, *_ = _verify_case(AttentionType.ENCODER_ONLY, nodes)
-    trees._publish(parents)
-    drafted = paged_block_attention(q, k, v, draft_layer, fb, kv_pool=pool, req_to_token=table)
+    attention.publish_verify_tree(parents)
+    drafted = attention.paged_block_attention(q, k, v, draft_layer, fb, kv_pool=pool, req_to_token=table)
     torch.testing.assert_close(drafted, reference.block_attention(**args).reshape(out.shape), rtol=1e-5, atol=1e-5)
-    assert trees._verify_layers == 0
+    assert attention.tree_layers_applied() == 0
 
     with pytest.raises(RuntimeError, match="do not describe this verify's 3 blocks of 6 rows"):
-        trees._publish(parents[:, :5])
-        paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table)
+        attention.publish_verify_tree(parents[:, :5])
+        attention.paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -171,13 +169,13 @@ def test_draft_builds_the_trees_and_their_positions_and_the_context_follows_the_
     drafted = served.draft(states, lambda h: (h @ head.T, ids))
     built = served.trees
     scores, picks = (states @ head.T).log_softmax(-1).topk(topk, dim=-1)
-    from sglang_dflash.engine.tree import build_trees
+    from sglang_dflash.control.tree import build_trees
 
     expected = build_trees(torch.arange(bs) + 100, ids[picks].view(bs, n, topk), scores.view(bs, n, topk), [n] * bs)
     assert torch.equal(built.tokens, expected.tokens) and torch.equal(built.parents, expected.parents)
     assert torch.equal(drafted, built.tokens[:, 1:].reshape(-1))
     assert torch.equal(worker._draft_block_positions_buf[:bs], prefix[:, None] + built.depths)
-    assert trees.verify_parents() is built.parents
+    assert attention.verify_tree_parents() is built.parents
     assert built.depths.max() < n  # branches: not the chain
 
     # After the verify: the context of each request's accepted path, at positions prefix + j.
@@ -209,7 +207,8 @@ def test_draft_builds_the_trees_and_their_positions_and_the_context_follows_the_
 
     reqs = [types.SimpleNamespace(customized_info=None, output_ids=[1] * (b + 1)) for b in range(bs)]
     served.finish(reqs, [int(a) + 1 for a in accept_len])
-    assert served.trees is None and served.path is None and not served.drafting and trees.verify_parents() is None
+    assert served.trees is None and served.path is None and not served.drafting
+    assert attention.verify_tree_parents() is None
     assert served.chains_in_trees([0] * bs) is None  # no tree step in flight
     for b, req in enumerate(reqs):
         assert req.customized_info[trees.META_INFO_KEY] == [0] * (b + 1) + [n] * (int(accept_len[b]) + 1)
@@ -265,7 +264,7 @@ def _tree_worker(monkeypatch, backend, window=-1, tp_size=1, mamba=False):
     server and is stubbed here): one real RadixAttention target layer, a real backend class."""
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    from sglang_dflash.sglang import adaptive
+    from sglang_dflash.serving import adaptive
 
     monkeypatch.setattr(adaptive, "adaptive_problem", lambda worker: None)
     model = torch.nn.Module()

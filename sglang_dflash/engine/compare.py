@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from sglang_dflash.control.tree import DEFAULT_TREE_MIN_PROB
 from sglang_dflash.engine.drafters import NoDrafter
 from sglang_dflash.engine.generator import GenerationResult, Generator, SamplingParams
 from sglang_dflash.engine.target import HFTarget
-from sglang_dflash.engine.tree import DEFAULT_TREE_MIN_PROB
 
 
 def decode_seconds(results: list[GenerationResult]) -> float:

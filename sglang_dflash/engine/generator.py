@@ -28,11 +28,9 @@ from collections.abc import Iterator
 
 import torch
 
-from sglang_dflash.engine.block_size import FIRST_STEP, BlockSizeController, next_state
-from sglang_dflash.engine.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
-from sglang_dflash.engine.drafters import DraftSampling
-from sglang_dflash.engine.target import HFTarget
-from sglang_dflash.engine.tree import (
+from sglang_dflash.control.block_size import FIRST_STEP, BlockSizeController, next_state
+from sglang_dflash.control.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
+from sglang_dflash.control.tree import (
     DEFAULT_TREE_MIN_PROB,
     build_trees,
     chain_accept_lens,
@@ -40,6 +38,8 @@ from sglang_dflash.engine.tree import (
     path_rows,
     validate_tree_options,
 )
+from sglang_dflash.engine.drafters import DraftSampling
+from sglang_dflash.engine.target import HFTarget
 from sglang_dflash.ops import check_device_errors, verify_block, verify_tree
 
 

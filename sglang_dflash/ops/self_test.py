@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from sglang_dflash import _extension, ops
+from sglang_dflash import _extension, ops, settings
 from sglang_dflash.ops import reference
 from sglang_dflash.ops.testing import (
     follow_targets,
@@ -342,8 +342,6 @@ def select(device: torch.device | str, plan: Mapping[str, Iterable[Any]], fallba
     that passed. Each failed op gets one warning (naming `fallback`, what runs instead) and the
     reference in `sglang_dflash.ops` on this device from then on; with SGLANG_DFLASH_STRICT=1 any
     failure raises SelfTestError instead."""
-    from sglang_dflash.sglang.plugin import ENV_STRICT, is_strict
-
     device = ops.canonical_device(device)
     failed = {}
     for op, cases in plan.items():
@@ -352,11 +350,11 @@ def select(device: torch.device | str, plan: Mapping[str, Iterable[Any]], fallba
             if problem is not None:
                 failed[op] = f"{case}: {problem}"
                 break
-    if failed and is_strict():
+    if failed and settings.get(settings.STRICT):
         raise SelfTestError(
             f"sglang-dflash: kernel self-test failed on {device}: "
             + "; ".join(f"{op} ({problem})" for op, problem in failed.items())
-            + f". Unset {ENV_STRICT} to fall back to {fallback} for these ops."
+            + f". Unset {settings.STRICT.name} to fall back to {fallback} for these ops."
         )
     for op, problem in failed.items():
         if ops.runs_ours(op, device):  # warn once per process and device

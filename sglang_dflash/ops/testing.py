@@ -24,18 +24,6 @@ def skinny_linear_error_ratio(out: torch.Tensor, x: torch.Tensor, weight: torch.
     return (out.double() - exact).abs() / bound
 
 
-def int8_linear_is_right(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         weight_scale: torch.Tensor) -> bool:
-    """Whether `out` is what an int8 weight's linear layer on the CPU (models/skinny.py `linear`)
-    should give: w8a8_linear's result bit for bit where that kernel takes it, else skinny_linear's
-    within its rounding bound."""
-    from sglang_dflash.models.skinny import w8a8_applies
-
-    if w8a8_applies(x, weight, bias, weight_scale):
-        return torch.equal(out, reference.w8a8_linear(x, weight, weight_scale, bias))
-    return bool((skinny_linear_error_ratio(out, x, weight, bias, weight_scale) <= 1).all())
-
-
 def make_attention_inputs(bs, block, hq, hkv, head_dim, ctx_lens, dtype, *, seed, table_dtype=torch.int32,
                           width=None, unaligned=False):
     """A paged KV pool shared by the batch, slots shuffled, table rows padded with junk ids.

@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 EP_GROUP = "sglang.srt.plugins"
-EP_VALUE = "sglang_dflash.sglang.plugin:register"
+EP_VALUE = "sglang_dflash.serving.plugin:register"
 # The directory that holds the sglang_dflash package: put first on the servers' PYTHONPATH so they
 # import this copy of it.
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]

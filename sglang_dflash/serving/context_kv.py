@@ -19,6 +19,11 @@ import logging
 
 import torch
 
+from sglang_dflash._extension import has_cuda_kernels
+from sglang_dflash.ops import materialize_context_kv
+from sglang_dflash.ops.self_test import ContextKV
+from sglang_dflash.serving.attention import draft_attention_wanted
+
 logger = logging.getLogger(__name__)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,8 +56,6 @@ class ContextKVWriter:
 
     def self_test_case(self):
         """This drafter's materialize_context_kv configuration, for the start-up self-test."""
-        from sglang_dflash.ops.self_test import ContextKV
-
         k_cache = self._worker.draft_model_runner.token_to_kv_pool.get_key_buffer(self._radix[0].layer_id)
         cos_sin = self._rotary.cos_sin_cache
         return ContextKV(
@@ -65,8 +68,6 @@ class ContextKVWriter:
         """What `_append_target_hidden_to_draft_kv_by_loc` does, with the per-layer work in one op.
         With `cache_loc_2d` [bs, B] and `commit_lens` [bs], only each row's first commit_lens
         tokens are written (the committed ones)."""
-        from sglang_dflash.ops import materialize_context_kv
-
         worker = self._worker
         n = int(cache_loc.numel())
         if target_hidden.shape[0] > n:  # alignment padding rows (TP rounding), as SGLang trims them
@@ -98,12 +99,8 @@ def _problem(worker) -> str | None:
     from sglang.srt.layers.rotary_embedding import RotaryEmbedding
     from sglang.srt.models.dflash import DFlashDraftModel
 
-    from sglang_dflash.sglang.attention import draft_attention_wanted
-
     device = torch.device(worker.device)
     if device.type == "cuda":
-        from sglang_dflash._extension import has_cuda_kernels
-
         if not (has_cuda_kernels() and draft_attention_wanted(device)):
             return "our CUDA kernels are off for the drafter (SGLANG_DFLASH_DRAFT_ATTENTION=1 turns them on)"
     elif device.type != "cpu":

@@ -29,6 +29,8 @@ import logging
 
 import torch
 
+from sglang_dflash.ops import cpu_kernel_applies, rms_norm_rope
+
 logger = logging.getLogger(__name__)
 
 _ORIGINAL = "_sglang_dflash_original_forward"
@@ -43,8 +45,6 @@ def _plain_rms_norm(norm) -> bool:
 
 
 def _wrap_norm(norm) -> None:
-    from sglang_dflash.ops import cpu_kernel_applies, rms_norm_rope
-
     original = norm.forward
 
     def forward(x, residual=None, *args, _norm=norm, _original=original, **kwargs):
@@ -70,8 +70,6 @@ def _covered_attention(attn) -> bool:
 
 
 def _wrap_attention(attn) -> None:
-    from sglang_dflash.ops import cpu_kernel_applies, rms_norm_rope
-
     original = attn.forward
 
     def forward(positions, hidden_states, forward_batch, _a=attn, _original=original):

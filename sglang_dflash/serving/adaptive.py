@@ -1,6 +1,6 @@
 """Adaptive block size in the served DFLASH worker: each decode step picks its block size.
 
-The choice is the engine's (`sglang_dflash.engine.block_size.BlockSizeController`): per batch
+The choice is the engine's (`sglang_dflash.control.block_size.BlockSizeController`): per batch
 size, the block size b (1 = a plain target step) with the most expected tokens per second, from
 live per-position acceptance and measured step times; with draft trees on (trees.py), chain or
 tree as `ChainOrTreeController` chooses (a tree of n nodes runs at block size n + 1). This module
@@ -30,12 +30,12 @@ import weakref
 
 import torch
 
-from sglang_dflash.engine.block_size import FIRST_STEP, BlockSizeController, next_state
-from sglang_dflash.engine.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
+from sglang_dflash import settings
+from sglang_dflash.control.block_size import FIRST_STEP, BlockSizeController, next_state
+from sglang_dflash.control.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
 
 logger = logging.getLogger(__name__)
 
-ENV_ADAPTIVE = "SGLANG_DFLASH_ADAPTIVE"
 META_INFO_KEY = "dflash_block_size"  # meta_info: per output token, the block size of its step
 
 # DFlashWorkerV2 attributes that depend on the block size (sglang 0.5.23, dflash_worker_v2.py).
@@ -62,9 +62,7 @@ PER_BLOCK_SIZE_STATE = (
 def adaptive_wanted() -> bool:
     """On unless `SGLANG_DFLASH_ADAPTIVE=0` pins the block size (`adaptive_problem` still has the
     last word)."""
-    from sglang_dflash.sglang.plugin import env_switch
-
-    return env_switch(ENV_ADAPTIVE) is not False
+    return settings.get(settings.ADAPTIVE)
 
 
 def adaptive_problem(worker) -> str | None:

@@ -88,7 +88,7 @@ step is a lossless verify.
 
 from __future__ import annotations
 
-from sglang_dflash.engine.draft_confidence import ConfidenceCalibration
+from sglang_dflash.control.draft_confidence import ConfidenceCalibration
 
 # Kalman filter noise: step-to-step jitter of one step (R, relative to its time), and how far per
 # step the parameters may drift (Q): all of them together by a common factor (a slower machine

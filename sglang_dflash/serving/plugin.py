@@ -1,10 +1,10 @@
 """The SGLang plugin: makes `--speculative-algorithm dflash` run sglang-dflash's worker.
 
-Entry point (group `sglang.srt.plugins`): `sglang_dflash = "sglang_dflash.sglang.plugin:register"`.
+Entry point (group `sglang.srt.plugins`): `sglang_dflash = "sglang_dflash.serving.plugin:register"`.
 SGLang's `load_plugins()` calls `register()` in every SGLang process (launch_server, the HTTP
 server, each spawned scheduler, `sgl.Engine`). `register()` adds an AROUND hook on
 `SpeculativeAlgorithm.create_worker` through SGLang's `HookRegistry`: when the algorithm is DFLASH
-the hook returns `sglang_dflash.sglang.worker.DFlashKernelWorker` (a subclass of SGLang's own
+the hook returns `sglang_dflash.serving.worker.DFlashKernelWorker` (a subclass of SGLang's own
 `DFlashWorkerV2`), otherwise it calls the original. It also refuses prompts that would crash
 SGLang's scheduler (request_checks.py) with a 400 for that request.
 
@@ -28,13 +28,14 @@ from __future__ import annotations
 import logging
 import os
 
+from sglang_dflash import settings
+from sglang_dflash.serving import request_checks
+
 logger = logging.getLogger(__name__)
 
 HOOK_TARGET = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
 # The SGLang releases whose internals the worker was checked against (docs/sglang.md lists them).
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
-ENV_DISABLE = "SGLANG_DFLASH_DISABLE"
-ENV_STRICT = "SGLANG_DFLASH_STRICT"
 
 _registered = False
 
@@ -43,27 +44,17 @@ class IncompatibleSGLangError(RuntimeError):
     """The installed SGLang does not have what sglang-dflash's worker relies on."""
 
 
-def env_switch(name: str) -> bool | None:
-    """An on/off environment switch: True for 1/true/yes/on, False for 0/false/no/off, None when it
-    is unset (or says neither), so each caller picks its own default."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return None
-
-
-def _flag(name: str) -> bool:
-    return env_switch(name) is True
-
-
 def is_disabled() -> bool:
-    return _flag(ENV_DISABLE)
+    return settings.get(settings.DISABLE)
 
 
 def is_strict() -> bool:
-    return _flag(ENV_STRICT)
+    return settings.get(settings.STRICT)
+
+
+def sglang_serves_on_cpu() -> bool:
+    """SGLang's switch for CPU serving, read as SGLang's `is_cpu()` reads it."""
+    return os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1"
 
 
 def sglang_version() -> str | None:
@@ -93,7 +84,7 @@ def register() -> None:
     """Entry point: register the AROUND hook on SpeculativeAlgorithm.create_worker."""
     global _registered
     if is_disabled():
-        logger.info("sglang-dflash: %s=1, plugin off; DFLASH uses SGLang's built-in worker", ENV_DISABLE)
+        logger.info("sglang-dflash: %s=1, plugin off; DFLASH uses SGLang's built-in worker", settings.DISABLE.name)
         return
     if _registered:
         return
@@ -103,7 +94,7 @@ def register() -> None:
             "sglang-dflash: %s; plugin off, DFLASH uses SGLang's built-in worker "
             "(set %s=1 to make this an error)",
             problem,
-            ENV_STRICT,
+            settings.STRICT.name,
         )
         return
     # In strict mode an incompatible SGLang still gets the hook: it raises when the DFLASH worker
@@ -112,11 +103,9 @@ def register() -> None:
 
     HookRegistry.register(HOOK_TARGET, _create_worker_around, HookType.AROUND)
     if problem is None:
-        from sglang_dflash.sglang import request_checks
-
         request_checks.register_hooks()
-    if _flag("SGLANG_USE_CPU_ENGINE") and problem is None:
-        from sglang_dflash.sglang import cpu
+    if sglang_serves_on_cpu() and problem is None:
+        from sglang_dflash.serving import cpu
 
         cpu.register_hooks()
     _registered = True
@@ -132,9 +121,9 @@ def select_worker_class():
     if problem is not None:
         raise IncompatibleSGLangError(problem)
     try:
-        from sglang_dflash.sglang import worker
+        from sglang_dflash.serving import worker
     except Exception as exc:  # an SGLang without the classes we subclass, or no extension
-        raise IncompatibleSGLangError(f"cannot import sglang_dflash.sglang.worker: {exc!r}") from exc
+        raise IncompatibleSGLangError(f"cannot import sglang_dflash.serving.worker: {exc!r}") from exc
     problems = worker.compatibility_problems()
     if problems:
         raise IncompatibleSGLangError("; ".join(problems))
@@ -165,7 +154,7 @@ def _create_worker_around(original, algo, *args, **kwargs):
             "sglang-dflash: %s; DFLASH falls back to SGLang's built-in worker "
             "(set %s=1 to make this an error)",
             exc,
-            ENV_STRICT,
+            settings.STRICT.name,
         )
         return original(algo, *args, **kwargs)
     return cls  # its __init__ logs the line naming it, its device and the kernels it runs

@@ -15,10 +15,34 @@ from __future__ import annotations
 
 import logging
 
+from sglang_dflash import settings
+
 logger = logging.getLogger(__name__)
 
-ENV_DRAFT_ATTENTION = "SGLANG_DFLASH_DRAFT_ATTENTION"
 _ORIGINAL = "_sglang_dflash_original_forward"
+
+# The draft tree of the step in flight, which the target's TARGET_VERIFY layers apply as their
+# mask: published by trees.ServedTrees after the draft forward, cleared when the step ends (SGLang's
+# scheduler runs one step at a time per process), with the count of layers that applied it.
+_tree_parents = None
+_tree_layers = 0
+
+
+def publish_verify_tree(parents) -> None:
+    """Make `parents` [bs, n + 1] the tree the next TARGET_VERIFY checks (None: a chain), and
+    restart the count of layers that applied it."""
+    global _tree_parents, _tree_layers
+    _tree_parents, _tree_layers = parents, 0
+
+
+def verify_tree_parents():
+    """The parents of the tree the running verify checks (None: a chain)."""
+    return _tree_parents
+
+
+def tree_layers_applied() -> int:
+    """How many target attention layers applied the published tree since it was published."""
+    return _tree_layers
 
 
 def covers(layer, forward_batch, q, k_cache) -> bool:
@@ -62,7 +86,8 @@ def _layer_covered(layer, q, k_cache) -> bool:
     return False
 
 
-def _window(layer) -> int:
+def layer_window(layer) -> int:
+    """The window block_attention takes for `layer` (-1: no sliding window)."""
     sws = getattr(layer, "sliding_window_size", -1)
     return sws + 1 if sws is not None and sws > -1 else -1  # SGLang: |q - k| <= sws
 
@@ -81,8 +106,8 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     from sglang_dflash.ops import block_attention
-    from sglang_dflash.sglang import trees
 
+    global _tree_layers
     hq, hkv, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
     if k is not None and v is not None:  # as RadixAttention.forward hands them to a backend
         k, v = k.reshape(-1, hkv, dim), v.reshape(-1, hkv, layer.v_head_dim)
@@ -103,12 +128,12 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
     # A decode step's seq_lens count the new token, which is the block; TARGET_VERIFY's do not.
     ctx_lens = forward_batch.seq_lens - 1 if decode else forward_batch.seq_lens
     causal = decode or _causal(layer)
-    tree = None if decode or not causal else trees.verify_parents()  # a target verify of a draft tree
+    tree = None if decode or not causal else _tree_parents  # a target verify of a draft tree
     if tree is not None:
         if tuple(tree.shape) != (bs, n_rows // bs):
             raise RuntimeError(f"the draft tree's parents {tuple(tree.shape)} do not describe this verify's "
                                f"{bs} blocks of {n_rows // bs} rows")
-        trees.count_verify_layer()
+        _tree_layers += 1
     out = block_attention(
         q3,
         k3.to(q3.dtype),
@@ -120,7 +145,7 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
         ctx_lens,
         n_rows // bs,
         sm_scale=layer.scaling,
-        window=_window(layer),
+        window=layer_window(layer),
         causal_block=causal and tree is None,
         tree_parents=tree,
     )
@@ -130,9 +155,7 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
 def draft_attention_wanted(device) -> bool:
     """On CPU by default (`SGLANG_DFLASH_DRAFT_ATTENTION=0` turns it off); on CUDA only with
     `SGLANG_DFLASH_DRAFT_ATTENTION=1` until it is validated against SGLang's GPU backends."""
-    from sglang_dflash.sglang.plugin import env_switch
-
-    wanted = env_switch(ENV_DRAFT_ATTENTION)
+    wanted = settings.get(settings.DRAFT_ATTENTION)
     return str(device).startswith("cpu") if wanted is None else wanted
 
 
@@ -156,7 +179,7 @@ def draft_attention_cases(worker) -> list:
     for attn in _draft_layers(worker):
         for block in (int(worker.block_size), 1):
             case = Attention(attn.tp_q_head_num, attn.tp_k_head_num, attn.qk_head_dim,
-                             pool.get_key_buffer(attn.layer_id).dtype, block, _window(attn), _causal(attn))
+                             pool.get_key_buffer(attn.layer_id).dtype, block, layer_window(attn), _causal(attn))
             cases[case] = None
     return list(cases)
 

@@ -43,7 +43,7 @@ mix never changes the output, greedy or seeded sampling.
 
 from __future__ import annotations
 
-from sglang_dflash.engine.block_size import BlockSizeController
+from sglang_dflash.control.block_size import BlockSizeController
 
 _GAIN_DECAY = 0.99  # per request-step of that budget
 _RATIO_DECAY = 0.9  # per timed step at that (batch size, budget)

@@ -27,7 +27,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-ENV_DRAFT_INT8 = "SGLANG_DFLASH_DRAFT_INT8"
+from sglang_dflash import settings
+from sglang_dflash.models.skinny import Int8Linear, quantize_rows
+
 ATTR = "sglang_dflash_int8"  # (int8 weight [N, K], fp32 scale [N]) on a linear layer of the drafter
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -35,9 +37,7 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 def int8_wanted(device: torch.device) -> bool:
     """On the CPU unless SGLANG_DFLASH_DRAFT_INT8=0 (int8 weights run only in the CPU kernel)."""
-    from sglang_dflash.sglang.plugin import env_switch
-
-    return device.type == "cpu" and env_switch(ENV_DRAFT_INT8) is not False
+    return device.type == "cpu" and settings.get(settings.DRAFT_INT8)
 
 
 def int8_weight(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -49,8 +49,6 @@ def quantize_draft_linears(draft_model: nn.Module) -> int:
     """Gives every unquantized float linear layer of the draft layers an int8 copy of its weight and
     turns a plain `nn.Linear` fc into an `Int8Linear`; returns how many layers it converted."""
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
-
-    from sglang_dflash.models.skinny import Int8Linear, quantize_rows
 
     converted = 0
     layers = getattr(draft_model, "layers", None) or ()

@@ -1,7 +1,7 @@
 """Draft trees in the served DFLASH worker: a decode step that verifies a tree instead of a chain.
 
 With `SGLANG_DFLASH_TREE_BUDGET=n` a decode step may verify a tree of n drafted nodes
-(engine/tree.py: the drafter's `SGLANG_DFLASH_TREE_TOPK` best tokens per block position, grown best
+(control/tree.py: the drafter's `SGLANG_DFLASH_TREE_TOPK` best tokens per block position, grown best
 first) instead of a chain; unset, trees of up to `engine.tree.DEFAULT_TREE_BUDGET` nodes cut to
 the block's B - 1 where the block size adapts (on CPU), none where it is pinned; 0 turns them off.
 It runs inside SGLang's own chain step at block size n + 1, so SGLang's buffers, KV slot
@@ -40,7 +40,8 @@ import time
 
 import torch
 
-from sglang_dflash.engine.tree import (
+from sglang_dflash import ops
+from sglang_dflash.control.tree import (
     MAX_TREE_TOPK,
     DraftTrees,
     build_trees,
@@ -49,6 +50,7 @@ from sglang_dflash.engine.tree import (
     default_tree_budget,
 )
 from sglang_dflash.ops import move_slots, top_k_logprobs
+from sglang_dflash.serving import adaptive, attention
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +97,7 @@ def _env_int(name: str, raw: str) -> int:
 
 def tree_problem(worker) -> str | None:
     """Why this worker cannot run tree steps (None: it can)."""
-    from sglang_dflash.sglang.adaptive import adaptive_problem
-
-    problem = adaptive_problem(worker)  # a tree step runs at another block size than the worker's
+    problem = adaptive.adaptive_problem(worker)  # a tree step runs at another block size than the worker's
     if problem is not None:
         return problem
     if worker._tp_size() > 1:
@@ -109,11 +109,10 @@ def tree_problem(worker) -> str | None:
         return f"the target's attention backend {backend} has no tree mask (CPU's torch_native runs ours)"
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    from sglang_dflash.sglang.attention import _window
-    from sglang_dflash.sglang.cpu import hooks_registered
+    from sglang_dflash.serving.cpu import hooks_registered  # CPU serving only: GPU processes never import it
 
     layers = [m for m in worker.target_worker.model_runner.model.modules() if isinstance(m, RadixAttention)]
-    if any(_window(layer) >= 0 for layer in layers):
+    if any(attention.layer_window(layer) >= 0 for layer in layers):
         return "the target has sliding-window attention layers (block_attention's tree mode has no window)"
     if not hooks_registered():
         return "the TARGET_VERIFY attention hook is not registered (SGLANG_USE_CPU_ENGINE=1 registers it)"
@@ -127,28 +126,6 @@ def batch_problem(batch) -> str | None:
     if getattr(batch.sampling_info, "sampling_mask_batch_indices", None) is not None:
         return "sampling masks"
     return None
-
-
-# The tree of the step in flight, for the target's TARGET_VERIFY attention (attention.py): set by
-# `ServedTrees.draft` after the draft forward, cleared when the step ends. SGLang's scheduler runs
-# one step at a time per process.
-_verify_parents: torch.Tensor | None = None
-_verify_layers = 0  # target attention layers that applied it
-
-
-def verify_parents() -> torch.Tensor | None:
-    """The parents [bs, n + 1] of the tree the running verify checks (None: a chain)."""
-    return _verify_parents
-
-
-def count_verify_layer() -> None:
-    global _verify_layers
-    _verify_layers += 1
-
-
-def _publish(parents: torch.Tensor | None) -> None:
-    global _verify_parents, _verify_layers
-    _verify_parents, _verify_layers = parents, 0
 
 
 def rows_in_path_order(rows: torch.Tensor, path: torch.Tensor) -> None:
@@ -222,19 +199,18 @@ class ServedTrees:
         positions = worker._draft_block_positions_buf[:bs]  # the verify's positions: length + depth
         positions.copy_(positions[:, :1] + trees.depths.to(positions.dtype))
         self.trees = trees
-        _publish(trees.parents)
+        attention.publish_verify_tree(trees.parents)
         return trees.tokens[:, 1:].reshape(-1)
 
     def accept(self, logits: torch.Tensor | None, target_ids: torch.Tensor | None, sampling) -> tuple:
         """verify_tree over the step's trees: target_ids [bs * (n + 1)] (the target's argmax),
         else `logits` with `sampling` = (temperature, top_k, top_p, seed, offsets) or None for
         greedy. Moves the accepted paths' K/V into place; returns (accept_len, bonus, out_tokens)."""
-        from sglang_dflash import ops
-
         trees, worker = self.trees, self._worker
         layers = int(worker.target_worker.model_runner.model_config.num_attention_layers)
-        if _verify_layers != layers:
-            raise RuntimeError(f"sglang-dflash: {_verify_layers} of the target's {layers} attention layers applied "
+        applied = attention.tree_layers_applied()
+        if applied != layers:
+            raise RuntimeError(f"sglang-dflash: {applied} of the target's {layers} attention layers applied "
                                "the draft tree's mask; this step's verify is not a tree verify")
         bs, nodes = trees.tokens.shape
         if target_ids is not None:
@@ -282,7 +258,7 @@ class ServedTrees:
         tree state, whatever happened."""
         nodes = self._pending if self.path is not None else 0
         self._pending, self.trees, self.path, self.logits_in_path_order = 0, None, None, False
-        _publish(None)
+        attention.publish_verify_tree(None)
         if commit_lens is None:
             return
         for req, n in zip(reqs, commit_lens, strict=True):

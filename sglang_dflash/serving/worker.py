@@ -38,6 +38,16 @@ from sglang.srt import runtime_context as _runtime_context
 from sglang.srt.speculative import dflash_worker_v2 as _sgl_worker
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite
+from sglang.version import __version__ as SGLANG_VERSION
+
+from sglang_dflash import _extension, ops, settings
+from sglang_dflash.models.checkpoint import read_draft_vocab
+from sglang_dflash.models.skinny import batch_invariant, linear, quantize_rows
+from sglang_dflash.ops import self_test
+from sglang_dflash.ops.error_watch import DeviceErrorWatch
+from sglang_dflash.serving import adaptive, attention, draft_int8, draft_norms, trees
+from sglang_dflash.serving.context_kv import ContextKVWriter
+from sglang_dflash.serving.sgl_kernel_ops import register_missing
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +106,8 @@ def compatibility_problems() -> list[str]:
     if not callable(getattr(_runtime_context, "get_spec", None)):
         problems.append("sglang.srt.runtime_context.get_spec is missing")
     try:
-        from sglang_dflash._extension import ops
-
         for op in ("verify_block", "verify_block_from_ids"):
-            if not hasattr(ops(), op):
+            if not hasattr(_extension.ops(), op):
                 problems.append(f"the sglang_dflash extension has no op {op}")
     except Exception as exc:
         problems.append(f"the sglang_dflash extension cannot be loaded: {exc}")
@@ -120,9 +128,7 @@ def kernels_cover(device: torch.device) -> bool:
     if device.type == "cpu":
         return True
     if device.type == "cuda":
-        from sglang_dflash._extension import has_cuda_kernels
-
-        return has_cuda_kernels()
+        return _extension.has_cuda_kernels()
     return False
 
 
@@ -145,8 +151,6 @@ class DFlashKernelWorker(DFlashWorkerV2):
         from sglang.srt.utils import is_cpu
 
         if is_cpu():  # before SGLang's worker is built: nothing of it may call a missing op
-            from sglang_dflash.sglang.sgl_kernel_ops import register_missing
-
             registered = register_missing()
             if registered:
                 logger.info("sglang-dflash: this sgl-kernel lacks torch.ops.sgl_kernel.%s; ours serve them",
@@ -155,7 +159,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
         self._check_draft_matches_target()
         device = runner_device(self.model_runner)
         if device.type == "cpu":
-            from sglang_dflash.sglang.cpu import install_torch_cpu_shims
+            from sglang_dflash.serving.cpu import install_torch_cpu_shims
 
             install_torch_cpu_shims()
         self._dflash_device = device
@@ -175,22 +179,15 @@ class DFlashKernelWorker(DFlashWorkerV2):
 
     def _start_dflash_kernels(self) -> None:
         """Self-tests our kernels on this worker's device and switches on those that pass."""
-        from sglang_dflash.sglang.plugin import sglang_version
-
         device = self._dflash_device
         self._init_dflash_kernels(_runtime_context.get_spec(), self._self_test_kernels(device))
         logger.info("sglang-dflash: speculative algorithm DFLASH runs worker %s.%s (SGLang %s) on %s; "
                     "sglang-dflash kernels run %s", type(self).__module__, type(self).__qualname__,
-                    sglang_version(), device, ", ".join(sorted(self._dflash_ops)) or "nothing")
+                    SGLANG_VERSION, device, ", ".join(sorted(self._dflash_ops)) or "nothing")
 
     def _self_test_kernels(self, device: torch.device) -> set[str]:
         """Self-tests each op this worker would run on `device` (ops/self_test.py) and switches on
         those that pass; the rest keep SGLang's own path. Returns the ops that run ours."""
-        from sglang_dflash import ops
-        from sglang_dflash.ops import self_test
-        from sglang_dflash.sglang import attention, draft_int8, draft_norms
-        from sglang_dflash.sglang.context_kv import ContextKVWriter
-
         plan = {}
         if kernels_cover(device):
             plan["verify_block"] = list(dict.fromkeys([torch.float32, self.model_runner.model_config.dtype]))
@@ -228,7 +225,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
                                and ops.int8_dot_isa() != "portable" else "in the model's dtype")
                 logger.info("sglang-dflash: %d draft linear layers and the draft LM head run int8 weights, "
                             "activations %s (%s=0: the model's dtype)", converted, activations,
-                            draft_int8.ENV_DRAFT_INT8)
+                            settings.DRAFT_INT8.name)
         self._context_kv = context_kv if "materialize_context_kv" in ours else None
         if self._context_kv is not None:
             logger.info("sglang-dflash: draft context K/V of %d layers through materialize_context_kv",
@@ -239,8 +236,6 @@ class DFlashKernelWorker(DFlashWorkerV2):
         """The drafter's `draft_vocab.safetensors` (when its directory has one): drafts are picked
         among those ids only, so the draft LM head reads K rows instead of the whole vocabulary.
         Lossless: the target verifies every token."""
-        from sglang_dflash.models.checkpoint import read_draft_vocab
-
         path = self.server_args.speculative_draft_model_path
         vocab_size = int(self.model_runner.model_config.vocab_size)
         self._draft_vocab = read_draft_vocab(path, vocab_size, self.device) if path and os.path.isdir(path) else None
@@ -255,38 +250,32 @@ class DFlashKernelWorker(DFlashWorkerV2):
         """Draft trees (trees.py) where SGLANG_DFLASH_TREE_BUDGET asks for them (a bad value stops
         the start with an error naming the variable), and by default where the block size adapts;
         `init_attention_backends` then keeps them only where this worker can run them."""
-        from sglang_dflash.sglang.adaptive import adaptive_wanted
-        from sglang_dflash.sglang.trees import ServedTrees, tree_options
-
         self._trees = self._tree_states = None
         self._max_block_size = int(self.block_size)
-        options = tree_options(self._max_block_size, int(self.model_runner.model_config.vocab_size),
-                               adaptive=adaptive_wanted())
+        options = trees.tree_options(self._max_block_size, int(self.model_runner.model_config.vocab_size),
+                                     adaptive=adaptive.adaptive_wanted())
         if options is not None:
-            self._trees = ServedTrees(self, *options)
+            self._trees = trees.ServedTrees(self, *options)
 
     def init_attention_backends(self, *args, **kwargs):
         super().init_attention_backends(*args, **kwargs)
         if self._trees is None:
             return
         # Only now are the target's attention backend and SGLang's Mamba check known.
-        from sglang_dflash.sglang.adaptive import BlockSizeStates
-        from sglang_dflash.sglang.trees import ENV_TREE_BUDGET, tree_budget_asked, tree_problem
-
-        problem = tree_problem(self) or self._tree_head_problem()
+        problem = trees.tree_problem(self) or self._tree_head_problem()
         if problem is not None:
-            if tree_budget_asked():
-                logger.warning("sglang-dflash: %s=%d ignored, every step verifies a chain: %s", ENV_TREE_BUDGET,
-                               self._trees.budget, problem)
+            if settings.is_set(settings.TREE_BUDGET):
+                logger.warning("sglang-dflash: %s=%d ignored, every step verifies a chain: %s",
+                               settings.TREE_BUDGET.name, self._trees.budget, problem)
             else:
                 logger.info("sglang-dflash: draft trees off, every step verifies a chain: %s", problem)
             self._trees = None
             return
         if self._adaptive is None:  # else the adaptive block size switches the block sizes
-            self._tree_states = BlockSizeStates(self)
+            self._tree_states = adaptive.BlockSizeStates(self)
         logger.info("sglang-dflash: draft trees on: %s nodes (top %d per position; %s=0 turns them off)",
                     f"up to {self._trees.budget}" if self._adaptive is not None else self._trees.budget,
-                    self._trees.topk, ENV_TREE_BUDGET)
+                    self._trees.topk, settings.TREE_BUDGET.name)
 
     def _tree_head_problem(self) -> str | None:
         weight = getattr(getattr(self.target_worker.model_runner.model, "lm_head", None), "weight", None)
@@ -295,20 +284,18 @@ class DFlashKernelWorker(DFlashWorkerV2):
         return None
 
     def _init_adaptive_block_size(self) -> None:
-        from sglang_dflash.sglang.adaptive import AdaptiveBlockSize, adaptive_problem, adaptive_wanted
-
         self._adaptive = None
-        if not adaptive_wanted():
+        if not adaptive.adaptive_wanted():
             return
-        problem = adaptive_problem(self)
+        problem = adaptive.adaptive_problem(self)
         if problem is not None:
             logger.info("sglang-dflash: adaptive block size off: %s; every step runs B=%d", problem,
                         self.block_size)
             return
-        self._adaptive = AdaptiveBlockSize(self, int(self.block_size),
+        self._adaptive = adaptive.AdaptiveBlockSize(self, int(self.block_size),
                                            self._trees.budget if self._trees is not None else 0)
         logger.info("sglang-dflash: adaptive block size on: each decode step runs B in 1..%d (%s=0 pins B)",
-                    self.block_size, "SGLANG_DFLASH_ADAPTIVE")
+                    self.block_size, settings.ADAPTIVE.name)
 
     def _check_draft_matches_target(self) -> None:
         """Refuse, at startup and with one message naming the flag, a configuration that cannot
@@ -345,9 +332,6 @@ class DFlashKernelWorker(DFlashWorkerV2):
         self._dflash_logged = False
         self._device_errors = None
         if self._dflash_device.type == "cuda" and self._dflash_ops:  # else nothing of ours can record one
-            from sglang_dflash import ops
-            from sglang_dflash.ops.error_watch import DeviceErrorWatch
-
             # Overlap scheduling waits for step N's results after queueing step N + 1: read them then.
             lag = 0 if self.server_args.disable_overlap_schedule else 1
             self._device_errors = DeviceErrorWatch(ops.canonical_device(self._dflash_device), lag)
@@ -366,22 +350,21 @@ class DFlashKernelWorker(DFlashWorkerV2):
         ):
             result = run()
         else:
-            from sglang_dflash.models.skinny import batch_invariant
-
             result = None
-            trees = self._trees if self._tree_step_ok(batch) else None
-            if trees is not None:
-                trees.logits_in_path_order = bool(batch.return_logprob)
+            step_trees = self._trees if self._tree_step_ok(batch) else None
+            if step_trees is not None:
+                step_trees.logits_in_path_order = bool(batch.return_logprob)
             try:
                 # Our linear layers at every row count: a verify of many rows (a batch of blocks
                 # or trees) then computes what decoding its tokens one at a time computes.
                 with batch_invariant():
                     if self._adaptive is not None:
-                        result = self._adaptive.run_step(batch.reqs, run, trees)
+                        result = self._adaptive.run_step(batch.reqs, run, step_trees)
                     elif self._tree_states is not None:  # trees at a fixed budget; chains at the full block
-                        self._tree_states.use(self._trees.budget + 1 if trees is not None else self._max_block_size)
-                        if trees is not None:
-                            trees.begin(trees.budget)
+                        self._tree_states.use(self._trees.budget + 1 if step_trees is not None
+                                              else self._max_block_size)
+                        if step_trees is not None:
+                            step_trees.begin(step_trees.budget)
                         result = run()
                     else:
                         result = run()
@@ -394,9 +377,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
     def _tree_step_ok(self, batch) -> bool:
         """Whether this decode step may verify a tree (trees.py): trees on, a batch that needs
         nothing only chains give, and our verify kernels with the lossless acceptance rule."""
-        from sglang_dflash.sglang.trees import batch_problem
-
-        return self._trees is not None and self._kernel_sampling_ok() and batch_problem(batch) is None
+        return self._trees is not None and self._kernel_sampling_ok() and trees.batch_problem(batch) is None
 
     def _abort_on_device_errors(self, reqs: list) -> None:
         """On CUDA our kernels do not trap on an out-of-range index (a trap would end the server's
@@ -443,8 +424,6 @@ class DFlashKernelWorker(DFlashWorkerV2):
     def _draft_logits(self, hidden_states, lm_head) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft head's logits for `hidden_states` and the target id of each column (None:
         the column is the id): over the draft vocabulary where there is one, else the whole head."""
-        from sglang_dflash.models.skinny import linear
-
         head = self._draft_head_rows(lm_head)
         if head is not None:
             return self._draft_head_logits(hidden_states, *head), self._draft_vocab
@@ -455,8 +434,6 @@ class DFlashKernelWorker(DFlashWorkerV2):
     def _draft_head_logits(hidden_states, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """Logits over the draft vocabulary's head rows (`_draft_head_rows`): float rows take the
         hidden states in their dtype, int8 rows (with their scales) in the hidden states' own."""
-        from sglang_dflash.models.skinny import linear
-
         return linear(hidden_states if scale is not None else hidden_states.to(rows.dtype), rows, None, scale)
 
     def _draft_head_rows(self, lm_head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -464,8 +441,6 @@ class DFlashKernelWorker(DFlashWorkerV2):
         weight changes; int8 with its row scales when the drafter runs int8 weights, else scales
         None), or None where the whole head must be used: no draft vocabulary, or a head that is
         sharded (TP), quantized or too small for the ids."""
-        from sglang_dflash.models.skinny import quantize_rows
-
         weight = getattr(lm_head, "weight", None)
         if (
             self._draft_vocab is None
@@ -534,7 +509,6 @@ class DFlashKernelWorker(DFlashWorkerV2):
         if getattr(self, "_selector_sample", None) is not None or _sgl_worker.SIMULATE_ACC_LEN > 0:
             return parent()
 
-        from sglang_dflash import ops
 
         block = int(self.block_size)
         greedy_site = getattr(SpecTpSyncSite, _GREEDY_SITE)

@@ -47,6 +47,9 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from sglang_dflash import settings
+from sglang_dflash.serving import attention
+
 logger = logging.getLogger(__name__)
 
 HANDLE_DFLASH = "sglang.srt.arg_groups.speculative_hook._handle_dflash"
@@ -58,7 +61,6 @@ TORCH_NATIVE_DECODE = "sglang.srt.layers.attention.torch_native_backend.TorchNat
 UNQUANTIZED_LINEAR = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
 LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 CPU_DRAFT_BACKEND = "torch_native"
-ENV_BATCH_INVARIANT = "SGLANG_DFLASH_BATCH_INVARIANT"
 
 HOOKS = ()  # filled below: (target, hook) pairs, all AROUND
 
@@ -164,13 +166,11 @@ def _extend_kwargs_around(original, runner, forward_batch, *args, **kwargs):
 
 
 def _torch_native_extend_around(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
-    from sglang_dflash.sglang.attention import covers, paged_block_attention
-
     pool = backend.token_to_kv_pool
-    if kw or not covers(layer, forward_batch, q, pool.get_key_buffer(layer.layer_id)):
+    if kw or not attention.covers(layer, forward_batch, q, pool.get_key_buffer(layer.layer_id)):
         # Not a DFLASH block (e.g. an EAGLE/NGRAM tree with a custom mask): SGLang's own path.
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
-    return paged_block_attention(
+    return attention.paged_block_attention(
         q, k, v, layer, forward_batch, kv_pool=pool, req_to_token=backend.req_to_token_pool.req_to_token,
         swa_loc=backend.swa_out_cache_loc, save_kv_cache=save_kv_cache,
     )
@@ -188,7 +188,7 @@ def _dense_weight(layer):
 
 def _unquantized_linear_around(original, method, layer, x, bias=None, *args, **kwargs):
     from sglang_dflash.models.skinny import linear, skinny, skinny_applies
-    from sglang_dflash.sglang.draft_int8 import int8_weight
+    from sglang_dflash.serving.draft_int8 import int8_weight
 
     if not args and not kwargs:
         quantized = int8_weight(layer)  # the drafter's layers, in int8 (draft_int8.py)
@@ -225,13 +225,11 @@ def _lm_head_around(original, processor, hidden_states, lm_head, embedding_bias=
 
 
 def _torch_native_decode_around(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
-    from sglang_dflash.sglang.attention import covers_decode, paged_block_attention
-
     pool = backend.token_to_kv_pool
-    if kw or k is None or v is None or not covers_decode(layer, forward_batch, q,
-                                                           pool.get_key_buffer(layer.layer_id)):
+    if kw or k is None or v is None or not attention.covers_decode(layer, forward_batch, q,
+                                                                     pool.get_key_buffer(layer.layer_id)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
-    return paged_block_attention(
+    return attention.paged_block_attention(
         q, k, v, layer, forward_batch, kv_pool=pool, req_to_token=backend.req_to_token_pool.req_to_token,
         swa_loc=backend.swa_out_cache_loc, save_kv_cache=save_kv_cache, decode=True,
     )
@@ -283,9 +281,7 @@ BATCH_INVARIANT_HOOKS = (
 
 
 def batch_invariant_enabled() -> bool:
-    from sglang_dflash.sglang.plugin import env_switch
-
-    return env_switch(ENV_BATCH_INVARIANT) is not False
+    return settings.get(settings.BATCH_INVARIANT)
 
 
 _hooks_registered = False

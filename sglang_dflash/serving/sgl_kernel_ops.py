@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+from sglang_dflash._extension import ops
+
 logger = logging.getLogger(__name__)
 
 # SGLang's op name -> its schema (the argument lists SGLang's wrappers pass).
@@ -47,8 +49,6 @@ def register_missing() -> list[str]:
     """Registers each op of SCHEMAS that torch.ops.sgl_kernel lacks; returns their names."""
     global _library
     import torch
-
-    from sglang_dflash._extension import ops
 
     try:  # sgl-kernel registers its own ops when imported: let it go first
         import sgl_kernel  # noqa: F401
