@@ -16,6 +16,11 @@ ring entry read in the interval it was written, and a read of never-written shar
 The arithmetic is float64 (P is not rounded to the 16-bit type here: this checks indices, not
 rounding), so the output matches the reference to fp32 rounding. `test_a_broken_expression_fails`
 breaks expressions one at a time and expects a failure.
+
+The second part emulates verify_block's "fused" variant (csrc/cuda/verify.cu): the one-pass
+Gumbel-max under random thread interleavings (against reference.target_samples), the per-warp
+ballot compaction (exactly the tokens above the edge, each warp's order, the overflow report) and
+the radix top-k select (bit for bit the CPU twin's bisection threshold).
 """
 
 from __future__ import annotations
@@ -755,3 +760,197 @@ def test_configs_match_the_header():
     for config in range(len(PIPE_CONFIGS)):
         for d in (64, 128, 256):
             assert Pipe(d, config).smem_bytes <= 227 * 1024, (config, d)
+
+
+# ------------------------------------------------------------------------------------------------
+# verify_block's "fused" variant (csrc/cuda/verify.cu): the one-pass Gumbel-max, the per-warp
+# compaction and the radix select, with the kernel's expressions (verify.cu:N at this file's commit).
+
+V_THREADS, V_WARPS, V_CAP = 512, 16, 4096
+V_SEGMENT = V_CAP // V_WARPS  # verify.cu:386
+MAX_GUMBEL_NOISE = np.float32(16.7)
+
+
+def float_to_key(x):  # sampling.h
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+    return np.where(bits & 0x80000000, ~bits, bits | 0x80000000).astype(np.uint32)
+
+
+def key_to_float(key):  # sampling.h
+    key = np.asarray(key, dtype=np.uint32)
+    return np.where(key & 0x80000000, key & 0x7FFFFFFF, ~key).astype(np.uint32).view(np.float32)
+
+
+def philox_bits(seed, offset, row, vocab):
+    """The Philox lane of every vocab id (reference.gumbel_noise's draw, before the logs)."""
+    key = (offset + row) & ((1 << 64) - 1)
+    group = torch.arange((vocab + 3) // 4, dtype=torch.int64)
+    zero = torch.zeros_like(group)
+    lanes = reference.philox4x32_10([group, zero, zero + (key & 0xFFFFFFFF), zero + (key >> 32)],
+                                    (seed & 0xFFFFFFFF, seed >> 32))
+    return torch.stack(lanes, dim=1).reshape(-1)[:vocab].numpy().astype(np.uint32)
+
+
+def gumbel_upper_bound(bits):  # sampling.h, in fp32
+    u = (((bits >> 9) << 1) | 1).astype(np.float32) * np.float32(1.0 / 16777216.0)
+    w = np.float32(1.0) - u
+    return -np.log(w + np.float32(0.5) * w * w) + np.float32(1e-3)
+
+
+def gumbel_one_pass(x, noise, bits, rng):
+    """verify.cu:336-382 for an aligned fp32 row (a 16-byte vector is one Philox group): thread t
+    takes groups t, t + 512, ...; the threads run in a random interleaving, each group reading the
+    block's best score as it is at that moment. Returns (winner, exact noises drawn)."""
+    vocab = x.size
+    n_groups = ceil_div(vocab, 4)
+    best_value = np.full(V_THREADS, -np.inf, dtype=np.float32)
+    best_index = np.full(V_THREADS, np.iinfo(np.int64).max)
+    shared_best = np.float32(-np.inf)
+    next_group = np.arange(V_THREADS)
+    drawn = 0
+    while (next_group < n_groups).any():
+        for t in rng.permutation(np.flatnonzero(next_group < n_groups)):
+            g = next_group[t]
+            next_group[t] += V_THREADS
+            ids = np.arange(4 * g, min(4 * g + 4, vocab))
+            threshold = max(best_value[t], shared_best)  # verify.cu:342
+            if not (x[ids] + MAX_GUMBEL_NOISE >= threshold).any():  # verify.cu:345
+                continue
+            before = best_value[t]
+            for v in ids:
+                if x[v] + gumbel_upper_bound(bits[v]) >= threshold:  # verify.cu:352
+                    drawn += 1
+                    score = np.float32(x[v] + noise[v])
+                    if score > best_value[t] or (score == best_value[t] and v < best_index[t]):
+                        best_value[t], best_index[t] = score, v
+            if best_value[t] > before:
+                shared_best = max(shared_best, best_value[t])  # the atomicMax, verify.cu:356
+    order = np.lexsort((best_index, -best_value))  # block_best: larger value, then lower index
+    winner = int(best_index[order[0]])
+    return (0 if winner == np.iinfo(np.int64).max else winner), drawn
+
+
+@pytest.mark.parametrize("scale,vocab", [(3.0, 20000), (12.0, 9001), (0.5, 4099)])
+def test_one_pass_gumbel_matches_reference(scale, vocab):
+    """Temperature-only rows: the one-pass search under random thread interleavings picks the spec's
+    token, and pruning skips the exact noise of most ids when the row is peaked."""
+    rng = np.random.default_rng(vocab)
+    for row in range(3):
+        logits = torch.from_numpy(rng.standard_normal(vocab).astype(np.float32) * scale)
+        temperature, seed, offset = 0.8, 1234, 77
+        want = reference.target_samples(logits[None], torch.tensor([temperature]), torch.tensor([0]),
+                                        torch.tensor([1.0]), seed, torch.tensor([offset - row]), 1)
+        x = (logits.numpy() * np.float32(1 / temperature)).astype(np.float32)  # __fmul_rn(logit, 1 / T)
+        noise = reference.gumbel_noise(seed, offset - row, 0, vocab).numpy()
+        winner, drawn = gumbel_one_pass(x, noise, philox_bits(seed, offset - row, 0, vocab), rng)
+        assert winner == int(want[0, 0])
+        if scale >= 12:
+            assert drawn < vocab // 4
+
+
+def compact_by_warps(x, edge):
+    """verify.cu:394-428 for an aligned fp32 row: warp w's lanes read vectors c0 + lane for
+    c0 = 32 w, 32 w + 512, ...; each of the vector's 4 tokens is one ballot; a token's position is
+    the warp's count plus the taken lanes below it. Returns the NaN-padded segments (x, id) and the
+    candidates, or -1 when a warp outran its segment."""
+    vocab = x.size
+    n_vec = vocab // 4
+    seg_x = np.full(V_CAP, np.nan, dtype=np.float32)
+    seg_id = np.full(V_CAP, -1)
+    counts = []
+    lanes = np.arange(32)
+    for warp in range(V_WARPS):
+        count = 0
+        base = warp * V_SEGMENT
+        steps = [(c0, j) for c0 in range(warp * 32, n_vec, V_THREADS) for j in range(4)]
+        steps += [(v0, None) for v0 in range(n_vec * 4 + warp * 32, vocab, V_THREADS)]  # the scalar tail
+        for c0, j in steps:
+            v = (c0 + lanes) * 4 + j if j is not None else c0 + lanes
+            valid = (c0 + lanes < n_vec) if j is not None else v < vocab
+            take = valid & (x[np.minimum(v, vocab - 1)] >= edge)
+            pos = count + np.array([int(take[:lane].sum()) for lane in lanes])  # popc(taken & lower)
+            keep = take & (pos < V_SEGMENT)
+            seg_x[base + pos[keep]] = x[v[keep]]
+            seg_id[base + pos[keep]] = v[keep]
+            count += int(take.sum())
+        counts.append(count)
+    return seg_x, seg_id, (-1 if max(counts) > V_SEGMENT else sum(counts))
+
+
+@pytest.mark.parametrize("vocab,edge", [(20001, 2.0), (151936, 2.9), (5003, -np.inf), (20000, 1.2)])
+def test_warp_compaction_keeps_exactly_the_tokens_above_the_edge(vocab, edge):
+    x = np.random.default_rng(vocab).standard_normal(vocab).astype(np.float32)
+    x[::97] = np.nan  # NaN never enters
+    seg_x, seg_id, n = compact_by_warps(x, np.float32(edge))
+    wanted = np.flatnonzero(x >= edge)
+    if len(wanted) > V_CAP // 2 and n < 0:
+        return  # a warp outran its segment: the caller searches the whole row instead
+    assert n == len(wanted)
+    kept = seg_id[seg_id >= 0]
+    assert sorted(kept.tolist()) == wanted.tolist() and np.array_equal(seg_x[seg_id >= 0], x[kept])
+    assert np.isnan(seg_x[seg_id < 0]).all()
+    for warp in range(V_WARPS):  # each segment in its warp's reading order: vector, then lane-chunk order
+        ids = seg_id[warp * V_SEGMENT : (warp + 1) * V_SEGMENT]
+        ids = ids[ids >= 0]
+        assert all(((ids // 4) // 32 % V_WARPS == warp) | (ids >= vocab // 4 * 4))
+
+
+def test_warp_compaction_reports_an_overflow():
+    """384 candidates, few for the block, all in vectors warp 0 reads (0-31, 512-543, 1024-1055):
+    more than its segment holds, reported as -1; spread over the warps, the same count fits."""
+    x = np.zeros(40000, dtype=np.float32)
+    vectors = (np.arange(3)[:, None] * V_THREADS + np.arange(32)[None]).reshape(-1)
+    x[(vectors[:, None] * 4 + np.arange(4)[None]).reshape(-1)] = 5.0
+    assert compact_by_warps(x, np.float32(4.0))[2] == -1
+    x[:] = 0.0
+    x[:384] = 5.0  # vectors 0-95: warps 0, 1 and 2, 128 each
+    assert compact_by_warps(x, np.float32(4.0))[2] == 384
+
+
+def kth_largest_radix(values, k):
+    """verify.cu:431-472 over the set's non-NaN entries."""
+    keys = float_to_key(values[~np.isnan(values)])
+    prefix, known = 0, 0
+    for level in range(3):
+        shift = (20, 8, 0)[level]  # verify.cu:436
+        bins = 256 if level == 2 else 4096
+        match = keys[(keys & known) == prefix]  # verify.cu:442
+        hist = np.bincount((match >> shift) & (bins - 1), minlength=bins)
+        above = np.concatenate([np.cumsum(hist[::-1])[::-1][1:], [0]])  # entries in higher bins
+        (found,) = np.flatnonzero((above < k) & (above + hist >= k))  # verify.cu:458, one bin
+        prefix |= int(found) << shift
+        known |= (bins - 1) << shift
+        k -= int(above[found])  # verify.cu:467
+    t = key_to_float(np.uint32(prefix))
+    return np.float32(0.0) if t == 0 else t  # verify.cu:471
+
+
+def kth_largest_bisection(values, k):
+    """The CPU twin's kth_largest (csrc/cpu/verify.cpp): the largest key t in [key(-inf), key(max)]
+    with count(x >= t) >= k."""
+    v = values[~np.isnan(values)]
+    lo, hi = int(float_to_key(np.float32(-np.inf))), int(float_to_key(v.max()))
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        if int((v >= key_to_float(np.uint32(mid))).sum()) >= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    return key_to_float(np.uint32(lo))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_radix_select_returns_the_bisections_threshold(seed):
+    """Bit for bit the CPU twin's top-k threshold, ties, -0 / +0, -inf and NaN padding included."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 3000))
+    values = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+    if seed % 2:
+        values = np.round(values)  # many ties, and -0 beside +0
+        values[rng.random(n) < 0.1] = np.float32(-0.0)
+        values[rng.random(n) < 0.05] = -np.inf
+    padded = np.concatenate([values, np.full(int(rng.integers(0, 50)), np.nan, dtype=np.float32)])
+    rng.shuffle(padded)
+    for k in sorted({1, 2, n // 3 + 1, n // 2 + 1, n} | set(rng.integers(1, n + 1, 5).tolist())):
+        got, want = kth_largest_radix(padded, k), kth_largest_bisection(padded, k)
+        assert got.tobytes() == want.tobytes(), (k, got, want)
