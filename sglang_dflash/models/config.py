@@ -386,6 +386,8 @@ class DFlashConfig:
         if self.layer_types:
             out["layer_types"] = list(self.layer_types)
             out["sliding_window"] = self.sliding_window
+            if "sliding_attention" in self.layer_types:
+                out["use_sliding_window"] = True  # transformers' Qwen3Config drops sliding_window without it
         if self.causal:
             # SGLang reads causality from is_causal, and only for configs with layer_types.
             out["is_causal"] = True
