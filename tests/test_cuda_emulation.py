@@ -39,7 +39,7 @@ from sglang_dflash.ops.testing import make_attention_inputs, make_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 LANE = np.arange(32)
-GID, TQ = LANE >> 2, LANE & 3  # mma fragment coordinates (attention.cuh:169)
+GID, TQ = LANE >> 2, LANE & 3  # mma fragment coordinates (pipelined.cuh:115)
 E2 = np.arange(2)
 
 # block_attention.cuh's kPipeConfigs: (keys per tile, stages, warps); test_configs_match_the_header.
@@ -53,7 +53,7 @@ def ceil_div(a, b):
 
 @dataclass
 class Pipe:
-    """Pipe<D, C> (pipelined.cuh:26-44)."""
+    """Pipe<D, C> (pipelined.cuh:25-43)."""
 
     d: int
     config: int
@@ -86,7 +86,7 @@ class Buffers:
 
 @dataclass
 class Params:
-    """AttnParams (attention.cuh:20-44), filled as block_attention.cu's host code fills it."""
+    """AttnParams (attention.cuh:20-43), filled as block_attention.cu's host code fills it."""
 
     mem: Buffers
     q: int
@@ -133,7 +133,7 @@ class Params:
 
 
 def host_splits(policy, forced, ctas, sms, resident, max_keys):
-    """The split count and split_keys of block_attention.cu's host code (block_attention.cu:520-537)."""
+    """The split count and split_keys of block_attention.cu's host code (block_attention.cu:526-549)."""
     split_keys = 0
     if policy == "shapes":
         splits = min((2 * sms) // ctas, ceil_div(max_keys, MIN_KEYS_PER_SPLIT))
@@ -221,7 +221,7 @@ def cta_work(p: Params, bx, by, rows_per_cta, tile):  # attention.cuh:54-88
     return Work(b, h, row0, row_end, ctx, pool, begin, min(hi, begin + chunk))
 
 
-def visible(p: Params, w: Work, k, i):  # attention.cuh:91-101, vectorised over k and i
+def visible(p: Params, w: Work, k, i):  # attention.cuh:91-100, vectorised over k and i
     k, i = np.broadcast_arrays(np.asarray(k, dtype=np.int64), np.asarray(i, dtype=np.int64))
     out = k < w.end
     if p.tree_sees is not None:
@@ -237,11 +237,11 @@ def visible(p: Params, w: Work, k, i):  # attention.cuh:91-101, vectorised over 
     return out & ok
 
 
-def key_slot(p: Params, w: Work, k):  # attention.cuh:105-107
+def key_slot(p: Params, w: Work, k):  # attention.cuh:103-105
     return int(p.mem.flat["table"][p.table + w.pool * p.table_s0 + k])
 
 
-def rows_of_key(p: Params, w: Work, k, slot):  # attention.cuh:112-127: ((kind, offset) of K, of V) or None
+def rows_of_key(p: Params, w: Work, k, slot):  # attention.cuh:110-126: ((kind, offset) of K, of V) or None
     if k < w.ctx:
         if not 0 <= slot < p.n_slots:
             p.errors.append(("kAttentionSlot", w.pool, k, slot, p.n_slots))
@@ -252,19 +252,19 @@ def rows_of_key(p: Params, w: Work, k, slot):  # attention.cuh:112-127: ((kind, 
     return ("k_block", p.k_block + r * p.kb_s0 + w.h * p.kb_s1), ("v_block", p.v_block + r * p.vb_s0 + w.h * p.vb_s1)
 
 
-def out_offset(p: Params, w: Work, row):  # attention.cuh:137-141
+def out_offset(p: Params, w: Work, row):  # attention.cuh:136-140
     n = w.b * p.block_size + row // p.group
     hq = w.h * p.group + row % p.group
     return (n * p.q_heads + hq) * p.head_dim
 
 
-def q_offset(p: Params, w: Work, row):  # attention.cuh:144-148
+def q_offset(p: Params, w: Work, row):  # attention.cuh:143-147
     n = w.b * p.block_size + row // p.group
     hq = w.h * p.group + row % p.group
     return n * p.q_s0 + hq * p.q_s1
 
 
-def write_empty_partials(p: Params, w: Work, by):  # attention.cuh:151-158
+def write_empty_partials(p: Params, w: Work, by):  # attention.cuh:150-157
     for row in range(w.row0, w.row_end):
         base = by * p.n_rows * p.q_heads * p.head_dim + out_offset(p, w, row)
         p.part_ml[base // p.head_dim * 2 : base // p.head_dim * 2 + 2] = (-np.inf, 0.0)
@@ -407,7 +407,7 @@ def loaded_tile(t, stages):  # pipelined.cuh:132, the tile iteration t copies
     return t + stages - 1
 
 
-def prefetched_tile(t, stages):  # pipelined.cuh:155-156, the ring entry iteration t fills
+def prefetched_tile(t, stages):  # pipelined.cuh:153-154, the ring entry iteration t fills
     return t + stages
 
 
@@ -416,7 +416,7 @@ def prefetched_tile(t, stages):  # pipelined.cuh:155-156, the ring entry iterati
 
 
 class WarpState:
-    def __init__(self, p: Params, w: Work, warp_row0, d):  # attention.cuh:176-185
+    def __init__(self, p: Params, w: Work, warp_row0, d):  # attention.cuh:175-184
         self.o = np.zeros((d // 8, 4, 32))
         self.m = [np.full(32, -np.inf), np.full(32, -np.inf)]
         self.l = [np.zeros(32), np.zeros(32)]
@@ -434,7 +434,7 @@ def tile_scores(smem, kb, d, tile, ld, q_frag):  # attention.cuh:195-213
     return s
 
 
-def tile_softmax(p, w, k0, tile, scale_log2, s, st: WarpState):  # attention.cuh:217-262
+def tile_softmax(p, w, k0, tile, scale_log2, s, st: WarpState):  # attention.cuh:217-260
     need_mask = k0 + tile > w.end or p.window > 0 or ((p.causal or p.tree_sees is not None) and k0 + tile > w.ctx)
     for half in range(2):
         for nt in range(tile // 8):
@@ -456,7 +456,7 @@ def tile_softmax(p, w, k0, tile, scale_log2, s, st: WarpState):  # attention.cuh
         st.o[:, [half * 2, half * 2 + 1]] *= alpha
 
 
-def tile_pv(smem, s, vb, d, tile, ld, st: WarpState):  # attention.cuh:267-281
+def tile_pv(smem, s, vb, d, tile, ld, st: WarpState):  # attention.cuh:264-281
     for kk in range(tile // 16):
         pa = np.stack([np.stack([s[2 * kk, 0], s[2 * kk, 1]], -1), np.stack([s[2 * kk, 2], s[2 * kk, 3]], -1),
                        np.stack([s[2 * kk + 1, 0], s[2 * kk + 1, 1]], -1),
@@ -467,7 +467,7 @@ def tile_pv(smem, s, vb, d, tile, ld, st: WarpState):  # attention.cuh:267-281
             mma_16816(st.o[2 * d2 + 1], pa, bv[2], bv[3])
 
 
-def store_rows(p: Params, w: Work, warp_row0, by, st: WarpState):  # attention.cuh:286-318
+def store_rows(p: Params, w: Work, warp_row0, by, st: WarpState):  # attention.cuh:285-318
     for half in range(2):
         total = st.l[half].reshape(8, 4).sum(axis=1).repeat(4)
         row = warp_row0 + GID + half * 8
@@ -798,7 +798,7 @@ def gumbel_upper_bound(bits):  # sampling.h, in fp32
 
 
 def gumbel_one_pass(x, noise, bits, rng):
-    """verify.cu:336-382 for an aligned fp32 row (a 16-byte vector is one Philox group): thread t
+    """verify.cu:335-384 for an aligned fp32 row (a 16-byte vector is one Philox group): thread t
     takes groups t, t + 512, ...; the threads run in a random interleaving, each group reading the
     block's best score as it is at that moment. Returns (winner, exact noises drawn)."""
     vocab = x.size
@@ -849,7 +849,7 @@ def test_one_pass_gumbel_matches_reference(scale, vocab):
 
 
 def compact_by_warps(x, edge):
-    """verify.cu:394-428 for an aligned fp32 row: warp w's lanes read vectors c0 + lane for
+    """verify.cu:394-425 for an aligned fp32 row: warp w's lanes read vectors c0 + lane for
     c0 = 32 w, 32 w + 512, ...; each of the vector's 4 tokens is one ballot; a token's position is
     the warp's count plus the taken lanes below it. Returns the NaN-padded segments (x, id) and the
     candidates, or -1 when a warp outran its segment."""
@@ -908,7 +908,7 @@ def test_warp_compaction_reports_an_overflow():
 
 
 def kth_largest_radix(values, k):
-    """verify.cu:431-472 over the set's non-NaN entries."""
+    """verify.cu:433-472 over the set's non-NaN entries."""
     keys = float_to_key(values[~np.isnan(values)])
     prefix, known = 0, 0
     for level in range(3):
