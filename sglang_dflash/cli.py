@@ -15,6 +15,7 @@ import dataclasses
 import json
 import sys
 
+from sglang_dflash import settings
 from sglang_dflash.drafters import DRAFT_DTYPES, SHIPPED_DRAFTER
 
 PACKAGED_HELP = "a Hugging Face model directory, or a packaged model name: smollm2-135m, qwen2.5-coder-0.5b"
@@ -50,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "each step a chain of up to B or a tree of N, N/2 or N/4, whichever is expected to be "
                         "fastest (default with --adaptive and a drafter: 15, cut to what a tree of B - 1 positions "
                         "and --tree-topk choices holds; the server plays up to B - 1; else 0)")
-    g.add_argument("--tree-topk", type=int, default=4, metavar="K", help="choices per position of a tree (default 4)")
+    g.add_argument("--tree-topk", type=int, default=settings.TREE_TOPK.default, metavar="K",
+                   help=f"choices per position of a tree (default {settings.TREE_TOPK.default}, as the server's "
+                        f"{settings.TREE_TOPK.name})")
     g.add_argument("--tree-min-prob", type=float, metavar="P",
                    help="leave out of a greedy tree the nodes whose path probability (the product of the draft "
                         "probabilities on it) is below P, so an unsure step verifies fewer rows (default: the "
@@ -216,9 +219,9 @@ def generate(args: argparse.Namespace) -> int:
 
     from sglang_dflash.control.tree import (
         DEFAULT_TREE_MIN_PROB,
+        check_tree_options,
         default_tree_budget,
         most_tree_nodes,
-        validate_tree_options,
     )
     from sglang_dflash.drafters import resolve_draft
     from sglang_dflash.engine import Generator, HFTarget, SamplingParams, load_drafter
@@ -233,9 +236,9 @@ def generate(args: argparse.Namespace) -> int:
     if args.tree_budget:  # asked for (None: the default once the block size is known)
         if not args.draft:
             raise ValueError("--tree-budget needs a drafter (--draft)")
-        validate_tree_options(args.tree_budget, args.tree_topk, min_prob=tree_min_prob)
+        check_tree_options(args.tree_budget, args.tree_topk, tree_min_prob)
     else:  # the options of the trees --adaptive plays by default
-        validate_tree_options(1, args.tree_topk, min_prob=tree_min_prob)
+        check_tree_options(1, args.tree_topk, tree_min_prob)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens,
                             stop_token_ids=None if args.stop_token_ids is None else tuple(args.stop_token_ids))

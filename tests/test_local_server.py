@@ -1,5 +1,6 @@
-"""sglang_dflash/serving/local_server.py's port choice and start-up failure detection, with stand-in
-processes instead of SGLang servers (what is tested is the harness, not SGLang)."""
+"""sglang_dflash/serving/local_server.py's port choice, start-up failure detection and server
+environment, with stand-in processes instead of SGLang servers (what is tested is the harness, not
+SGLang)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 
 import pytest
 
-from sglang_dflash.serving.local_server import SERVER_PORTS, LocalServer, free_port
+from sglang_dflash import settings
+from sglang_dflash.serving.local_server import SERVER_PORTS, LocalServer, free_port, server_env
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_bindable():
@@ -32,3 +34,16 @@ def test_a_server_that_cannot_bind_its_port_fails_at_once(tmp_path):
         assert time.time() - started < 30
     finally:
         server.stop()
+
+
+def test_a_servers_environment_drops_every_inherited_switch(tmp_path, monkeypatch):
+    """Every run-time switch of the settings registry (and SGLang's plugin allow-list) set in the
+    caller's shell is gone from a server's environment; what the caller asks for is there."""
+    inherited = [*settings.runtime_names(), "SGLANG_PLUGINS"]
+    assert settings.NO_AMX.name in inherited and settings.DRAFT_INT8.name in inherited
+    assert settings.CUDA.name not in inherited  # a build-time switch: nothing a server reads
+    for name in inherited:
+        monkeypatch.setenv(name, "1")
+    env = server_env(tmp_path, SGLANG_DFLASH_ADAPTIVE="0")
+    assert [name for name in inherited if name in env] == [settings.ADAPTIVE.name]
+    assert env[settings.ADAPTIVE.name] == "0" and env["SGLANG_USE_CPU_ENGINE"] == "1"

@@ -16,6 +16,7 @@ if importlib.util.find_spec("sglang") is None:
                 allow_module_level=True)
 
 from sglang_dflash import ops
+from sglang_dflash.control.tree import DEFAULT_TREE_TOPK
 from sglang_dflash.ops import reference
 from sglang_dflash.ops.testing import follow_targets, make_tree
 from sglang_dflash.serving import attention, trees
@@ -221,40 +222,45 @@ def test_a_tree_needs_the_worker_at_its_block_size():
 
 
 @pytest.mark.parametrize("env,message", [
-    ({"SGLANG_DFLASH_TREE_BUDGET": "8"}, r"SGLANG_DFLASH_TREE_BUDGET=8: .* n must be in \[1, 7\]"),
-    ({"SGLANG_DFLASH_TREE_BUDGET": "-2"}, r"SGLANG_DFLASH_TREE_BUDGET=-2: .* n must be in \[1, 7\]"),
+    ({"SGLANG_DFLASH_TREE_BUDGET": "8"},
+     r"SGLANG_DFLASH_TREE_BUDGET must be in \[1, 7\] drafted nodes \(a tree and its root fill the request's block "
+     r"of --speculative-num-draft-tokens 8 rows; 0 turns trees off\), got 8"),
+    ({"SGLANG_DFLASH_TREE_BUDGET": "-2"}, r"SGLANG_DFLASH_TREE_BUDGET must be in \[1, 7\] .*, got -2"),
     ({"SGLANG_DFLASH_TREE_BUDGET": "four"}, r"SGLANG_DFLASH_TREE_BUDGET='four': expected an integer"),
-    ({"SGLANG_DFLASH_TREE_BUDGET": "7", "SGLANG_DFLASH_TREE_TOPK": "0"}, r"SGLANG_DFLASH_TREE_TOPK=0: .* \[1, 64\]"),
-    ({"SGLANG_DFLASH_TREE_BUDGET": "7", "SGLANG_DFLASH_TREE_TOPK": "65"}, r"SGLANG_DFLASH_TREE_TOPK=65"),
+    ({"SGLANG_DFLASH_TREE_BUDGET": "7", "SGLANG_DFLASH_TREE_TOPK": "0"},
+     r"SGLANG_DFLASH_TREE_TOPK must be in \[1, 64\] choices per position, got 0"),
+    ({"SGLANG_DFLASH_TREE_BUDGET": "7", "SGLANG_DFLASH_TREE_TOPK": "65"},
+     r"SGLANG_DFLASH_TREE_TOPK must be .*, got 65"),
+    ({"SGLANG_DFLASH_TREE_BUDGET": "7", "SGLANG_DFLASH_TREE_TOPK": "7"},
+     r"SGLANG_DFLASH_TREE_TOPK 7 exceeds the draft vocabulary \(6 tokens\)"),
 ])
 def test_bad_tree_settings_name_the_variable(monkeypatch, env, message):
+    """The CLI's checks and messages (control.tree.check_tree_options), naming the variables."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
-        trees.tree_options(8, 49152)
+        trees.tree_options(8, 6)
 
 
 def test_tree_settings(monkeypatch):
     monkeypatch.delenv("SGLANG_DFLASH_TREE_BUDGET", raising=False)
     monkeypatch.delenv("SGLANG_DFLASH_TREE_TOPK", raising=False)
     assert trees.tree_options(8, 100) is None
-    assert not trees.tree_budget_asked()
     # Unset: the engine's default budget where the block size adapts, cut to what the block
-    # holds, off below 2 nodes.
-    assert trees.tree_options(8, 100, adaptive=True) == (7, trees.DEFAULT_TREE_TOPK)
-    assert trees.tree_options(4, 100, adaptive=True) == (3, trees.DEFAULT_TREE_TOPK)
-    assert trees.tree_options(2, 100, adaptive=True) is None
+    # holds, off below 2 nodes; the CLI's default top-k.
+    assert trees.tree_options(8, 100, block_size_adapts=True) == (7, DEFAULT_TREE_TOPK)
+    assert trees.tree_options(4, 100, block_size_adapts=True) == (3, DEFAULT_TREE_TOPK)
+    assert trees.tree_options(2, 100, block_size_adapts=True) is None
     monkeypatch.setenv("SGLANG_DFLASH_TREE_TOPK", "0")  # read only where trees are on
-    assert trees.tree_options(2, 100, adaptive=True) is None
-    with pytest.raises(ValueError, match="SGLANG_DFLASH_TREE_TOPK=0"):
-        trees.tree_options(8, 100, adaptive=True)
+    assert trees.tree_options(2, 100, block_size_adapts=True) is None
+    with pytest.raises(ValueError, match="SGLANG_DFLASH_TREE_TOPK must be in"):
+        trees.tree_options(8, 100, block_size_adapts=True)
     monkeypatch.delenv("SGLANG_DFLASH_TREE_TOPK")
     monkeypatch.setenv("SGLANG_DFLASH_TREE_BUDGET", "0")
-    assert trees.tree_budget_asked()
     assert trees.tree_options(8, 100) is None
-    assert trees.tree_options(8, 100, adaptive=True) is None  # 0 turns the default off
-    monkeypatch.setenv("SGLANG_DFLASH_TREE_BUDGET", "7")
-    assert trees.tree_options(8, 100) == (7, trees.DEFAULT_TREE_TOPK)
+    assert trees.tree_options(8, 100, block_size_adapts=True) is None  # 0 turns the default off
+    monkeypatch.setenv("SGLANG_DFLASH_TREE_BUDGET", " 7 ")
+    assert trees.tree_options(8, 100) == (7, DEFAULT_TREE_TOPK)
     monkeypatch.setenv("SGLANG_DFLASH_TREE_TOPK", "2")
     assert trees.tree_options(8, 100) == (7, 2)
 

@@ -3,19 +3,11 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <cstdlib>
 #include <optional>
 #include <string>
 #include <tuple>
 
 namespace sglang_dflash::cpu {
-
-// Whether the environment variable `name` is set to something other than "" or "0": the switches
-// that keep a kernel off its widest instruction path (tests run both paths).
-inline bool turned_off_by(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && value[0] != '\0' && value[0] != '0';
-}
 
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
                            const at::Tensor& v_block, const at::Tensor& k_cache,

@@ -40,6 +40,7 @@
 #include "x86_paths.h"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
+#include "sglang_dflash/env.h"
 
 namespace sglang_dflash::cpu {
 namespace {
@@ -332,7 +333,7 @@ bool avx512_wanted() {
 #if SGLD_HAS_X86 && defined(CPU_CAPABILITY_AVX2)
   static const bool wanted = [] {
     __builtin_cpu_init();
-    return !turned_off_by("SGLANG_DFLASH_NO_AVX512") && __builtin_cpu_supports("avx512f") &&
+    return !env_flag("SGLANG_DFLASH_NO_AVX512", false) && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512dq");
   }();

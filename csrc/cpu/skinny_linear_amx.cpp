@@ -27,6 +27,7 @@
 
 #include "amx_tiles.h"
 #include "cpu_kernels.h"
+#include "sglang_dflash/env.h"
 
 namespace sglang_dflash::cpu {
 
@@ -188,7 +189,7 @@ bool amx_usable(unsigned edx_bit) {
 #if SGLD_HAS_AMX
   static const bool tiles = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (turned_off_by("SGLANG_DFLASH_NO_AMX") || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (env_flag("SGLANG_DFLASH_NO_AMX", false) || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     __builtin_cpu_init();
     // Linux hands out the 8 KiB of tile state per process on request only (arch_prctl
     // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).

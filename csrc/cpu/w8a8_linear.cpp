@@ -28,6 +28,7 @@
 #include "cpu_kernels.h"
 #include "to_float.h"
 #include "x86_paths.h"
+#include "sglang_dflash/env.h"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
 
@@ -232,7 +233,7 @@ bool vnni_wanted() {
   // SGLANG_DFLASH_NO_VNNI=1 takes the portable path (tests run both); read once.
   static const bool wanted = [] {
     __builtin_cpu_init();
-    return !turned_off_by("SGLANG_DFLASH_NO_VNNI") && __builtin_cpu_supports("avx512f") &&
+    return !env_flag("SGLANG_DFLASH_NO_VNNI", false) && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512vnni");
   }();

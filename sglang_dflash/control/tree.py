@@ -37,10 +37,12 @@ import math
 
 import torch
 
+from sglang_dflash import settings
 from sglang_dflash.ops.reference import tree_ancestors
 
 MAX_TREE_BUDGET = 256  # drafted nodes per request: the target verifies up to budget + 1 rows a step
 MAX_TREE_TOPK = 64  # choices per position
+DEFAULT_TREE_TOPK = settings.TREE_TOPK.default  # where none is asked: the CLI's --tree-topk, the server's setting
 # Trees of up to this many nodes (the adaptive choice plays N, N / 2 and N / 4) beside the chains
 # where the block size adapts and no budget is asked (`generate --adaptive`; the served worker on
 # CPU, whose block holds at most B - 1): against 4 (greedy and T = 1, bf16 and fp32, HumanEval /
@@ -85,17 +87,33 @@ class DraftTrees:
         return tree_ancestors(self.parents) if self.known_ancestors is None else self.known_ancestors
 
 
-def validate_tree_options(budget: int, topk: int, vocab_size: int | None = None, min_prob: float = 0.0) -> None:
-    """One clear error for a tree option out of range; `vocab_size`: the draft vocabulary's, when
-    known (the CLI checks before any model loads, the generator again with the drafter's)."""
+@dataclasses.dataclass(frozen=True)
+class TreeOptionNames:
+    """How the user sets each tree option, as the errors name it."""
+
+    budget: str
+    topk: str
+    min_prob: str
+
+
+CLI_NAMES = TreeOptionNames("--tree-budget", "--tree-topk", "--tree-min-prob")
+
+
+def check_tree_options(budget: int, topk: int, min_prob: float = 0.0, *, names: TreeOptionNames = CLI_NAMES,
+                       most_nodes: int = MAX_TREE_BUDGET, why_most: str = "", vocab_size: int | None = None) -> None:
+    """One ValueError naming the option for a tree option out of range, for every front door (the
+    CLI before any model loads, the generator with the drafter's vocabulary, the server's
+    settings): `budget` in [1, most_nodes] drafted nodes (`why_most`: what bounds it, where that
+    is less than MAX_TREE_BUDGET), `topk` in [1, MAX_TREE_TOPK] and at most `vocab_size` (the draft
+    vocabulary's, when known), `min_prob` in [0, 1)."""
     if not 0.0 <= min_prob < 1.0:  # also NaN
-        raise ValueError(f"--tree-min-prob must be in [0, 1) (a path probability), got {min_prob}")
-    if not 1 <= budget <= MAX_TREE_BUDGET:
-        raise ValueError(f"--tree-budget must be in [1, {MAX_TREE_BUDGET}] drafted nodes, got {budget}")
+        raise ValueError(f"{names.min_prob} must be in [0, 1) (a path probability), got {min_prob}")
+    if not 1 <= budget <= most_nodes:
+        raise ValueError(f"{names.budget} must be in [1, {most_nodes}] drafted nodes{why_most}, got {budget}")
     if not 1 <= topk <= MAX_TREE_TOPK:
-        raise ValueError(f"--tree-topk must be in [1, {MAX_TREE_TOPK}] choices per position, got {topk}")
+        raise ValueError(f"{names.topk} must be in [1, {MAX_TREE_TOPK}] choices per position, got {topk}")
     if vocab_size is not None and topk > vocab_size:
-        raise ValueError(f"--tree-topk {topk} exceeds the draft vocabulary ({vocab_size} tokens)")
+        raise ValueError(f"{names.topk} {topk} exceeds the draft vocabulary ({vocab_size} tokens)")
 
 
 def build_trees(anchors: torch.Tensor, candidates: torch.Tensor, scores: torch.Tensor,

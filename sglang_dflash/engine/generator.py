@@ -32,11 +32,12 @@ from sglang_dflash.control.block_size import FIRST_STEP, BlockSizeController, ne
 from sglang_dflash.control.chain_or_tree import ChainOrTreeController, tree_budgets_up_to
 from sglang_dflash.control.tree import (
     DEFAULT_TREE_MIN_PROB,
+    DEFAULT_TREE_TOPK,
     build_trees,
     chain_accept_lens,
     chain_depths,
+    check_tree_options,
     path_rows,
-    validate_tree_options,
 )
 from sglang_dflash.engine.drafters import DraftSampling
 from sglang_dflash.engine.target import HFTarget
@@ -183,8 +184,8 @@ class Generator:
     below `tree_min_prob` (tree.py), instead of chains; with `adaptive`, such trees of at most that
     many nodes or chains, step by step."""
 
-    def __init__(self, target: HFTarget, drafter, block_size: int, adaptive: bool = False,
-                 tree_budget: int = 0, tree_topk: int = 4, tree_min_prob: float = DEFAULT_TREE_MIN_PROB):
+    def __init__(self, target: HFTarget, drafter, block_size: int, adaptive: bool = False, tree_budget: int = 0,
+                 tree_topk: int = DEFAULT_TREE_TOPK, tree_min_prob: float = DEFAULT_TREE_MIN_PROB):
         max_b = getattr(drafter, "max_block_size", None)
         if block_size < 1 or (max_b is not None and block_size > max_b):
             raise ValueError(f"block_size must be in [1, {max_b or 'inf'}] for this drafter, got {block_size}")
@@ -193,7 +194,7 @@ class Generator:
                 raise ValueError("a tree budget needs a DFlash drafter (this drafter proposes no candidates)")
             if block_size < 2:
                 raise ValueError(f"a tree needs block_size >= 2 (its depth is block_size - 1), got {block_size}")
-            validate_tree_options(tree_budget, tree_topk, drafter.vocab_size, tree_min_prob)
+            check_tree_options(tree_budget, tree_topk, tree_min_prob, vocab_size=drafter.vocab_size)
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.tree_budget, self.tree_topk, self.tree_min_prob = tree_budget, tree_topk, tree_min_prob
         self.controller = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
-import os
 import shutil
 import sys
 import tempfile
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-CACHE_ENV = "SGLANG_DFLASH_CACHE"
+from sglang_dflash import settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +50,7 @@ PACKAGED_MODELS = {
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sglang_dflash")
+    return Path(settings.get(settings.CACHE) or Path.home() / ".cache" / "sglang_dflash")
 
 
 def _part_paths(model: PackagedModel) -> list[Path]:

@@ -1,8 +1,9 @@
 """SGLang servers as child processes on 127.0.0.1, for the CPU-server tests and the serving
 benchmark: `python -m sglang.launch_server` with this package's plugin active.
 
-Standard library only: whoever imports this (pytest collection, a benchmark's client) must not pay
-for importing SGLang or torch; the server processes do that themselves.
+Standard library only (and the settings registry, which is too): whoever imports this (pytest
+collection, a benchmark's client) must not pay for importing SGLang or torch; the server processes
+do that themselves.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import time
 import urllib.request
 from importlib import metadata
 from pathlib import Path
+
+from sglang_dflash import settings
 
 EP_GROUP = "sglang.srt.plugins"
 EP_VALUE = "sglang_dflash.serving.plugin:register"
@@ -66,9 +69,9 @@ def server_env(tmp_dir: Path, **overrides: str) -> dict:
         (dist / "entry_points.txt").write_text(f"[{EP_GROUP}]\nsglang_dflash = {EP_VALUE}\n")
         path.insert(0, str(dist.parent))
     env = dict(os.environ)
-    # Switches inherited from the caller's shell would silently change what is measured or tested.
-    for var in ("SGLANG_DFLASH_DISABLE", "SGLANG_DFLASH_STRICT", "SGLANG_PLUGINS", "SGLANG_DFLASH_ADAPTIVE",
-                "SGLANG_DFLASH_TREE_BUDGET", "SGLANG_DFLASH_TREE_TOPK"):
+    # Switches inherited from the caller's shell would silently change what is measured or tested:
+    # every one of ours that is read at run time, and SGLang's plugin allow-list.
+    for var in [*settings.runtime_names(), "SGLANG_PLUGINS"]:
         env.pop(var, None)
     env.update(
         PYTHONPATH=os.pathsep.join(path + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),

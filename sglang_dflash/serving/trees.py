@@ -35,18 +35,19 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 
 import torch
 
-from sglang_dflash import ops
+from sglang_dflash import ops, settings
 from sglang_dflash.control.tree import (
-    MAX_TREE_TOPK,
+    MAX_TREE_BUDGET,
     DraftTrees,
+    TreeOptionNames,
     build_trees,
     chain_accept_lens,
     chain_depths,
+    check_tree_options,
     default_tree_budget,
 )
 from sglang_dflash.ops import move_slots, top_k_logprobs
@@ -54,45 +55,26 @@ from sglang_dflash.serving import adaptive, attention
 
 logger = logging.getLogger(__name__)
 
-ENV_TREE_BUDGET = "SGLANG_DFLASH_TREE_BUDGET"
-ENV_TREE_TOPK = "SGLANG_DFLASH_TREE_TOPK"
-DEFAULT_TREE_TOPK = 4
 META_INFO_KEY = "dflash_tree_nodes"  # meta_info: per output token, the drafted nodes of its step's tree (0: a chain)
+# The server sets the trees through its environment; it has no least path probability (its trees
+# fill their budget).
+SETTING_NAMES = TreeOptionNames(settings.TREE_BUDGET.name, settings.TREE_TOPK.name, "")
 
 
-def tree_budget_asked() -> bool:
-    """Whether SGLANG_DFLASH_TREE_BUDGET is set (else a default budget, or none, applies)."""
-    return os.environ.get(ENV_TREE_BUDGET, "").strip() != ""
-
-
-def tree_options(max_block_size: int, vocab_size: int, adaptive: bool = False) -> tuple[int, int] | None:
-    """(budget, top-k) from the environment, or None when trees are off. With the budget variable
-    unset: `engine.tree.default_tree_budget` where the block size adapts, else off. Bad values
-    raise one ValueError naming the variable."""
-    raw = os.environ.get(ENV_TREE_BUDGET, "").strip()
-    if raw:
-        budget = _env_int(ENV_TREE_BUDGET, raw)
-    else:
-        budget = default_tree_budget(max_block_size - 1) if adaptive else 0  # a tree of n nodes fills n + 1 block rows
+def tree_options(max_block_size: int, vocab_size: int, block_size_adapts: bool = False) -> tuple[int, int] | None:
+    """(budget, top-k) from the settings, or None when trees are off. With the budget unset:
+    `control.tree.default_tree_budget` where the block size adapts, else off. Bad values raise one
+    ValueError naming the variable (`control.tree.check_tree_options`, as the CLI's flags)."""
+    budget = settings.get(settings.TREE_BUDGET)
+    if budget is None:
+        budget = default_tree_budget(max_block_size - 1) if block_size_adapts else 0
     if budget == 0:
         return None
-    topk = _env_int(ENV_TREE_TOPK, os.environ.get(ENV_TREE_TOPK, str(DEFAULT_TREE_TOPK)).strip())
-    if not 1 <= budget <= max_block_size - 1:
-        raise ValueError(
-            f"{ENV_TREE_BUDGET}={budget}: a tree of n drafted nodes is verified in the request's block of "
-            f"--speculative-num-draft-tokens {max_block_size} rows (n + 1 with its root), so n must be in "
-            f"[1, {max_block_size - 1}] (0 turns trees off)")
-    if not 1 <= topk <= min(MAX_TREE_TOPK, vocab_size):
-        raise ValueError(f"{ENV_TREE_TOPK}={topk}: choices per position must be in [1, "
-                         f"{min(MAX_TREE_TOPK, vocab_size)}]")
+    topk = settings.get(settings.TREE_TOPK)
+    check_tree_options(budget, topk, names=SETTING_NAMES, most_nodes=min(MAX_TREE_BUDGET, max_block_size - 1),
+                       why_most=f" (a tree and its root fill the request's block of --speculative-num-draft-tokens "
+                                f"{max_block_size} rows; 0 turns trees off)", vocab_size=vocab_size)
     return budget, topk
-
-
-def _env_int(name: str, raw: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected an integer") from None
 
 
 def tree_problem(worker) -> str | None:

@@ -253,7 +253,7 @@ class DFlashKernelWorker(DFlashWorkerV2):
         self._trees = self._tree_states = None
         self._max_block_size = int(self.block_size)
         options = trees.tree_options(self._max_block_size, int(self.model_runner.model_config.vocab_size),
-                                     adaptive=adaptive.adaptive_wanted())
+                                     block_size_adapts=adaptive.adaptive_wanted())
         if options is not None:
             self._trees = trees.ServedTrees(self, *options)
 
