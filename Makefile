@@ -34,7 +34,7 @@ $(INSTALLED):
 demo: $(INSTALLED)
 	$(VENV)/bin/sglang-dflash demo
 
-# SGLang 0.5.23 beside the package on a CPU-only machine (lightest install; see docs/sglang.md).
+# SGLang 0.5.23 beside the package on a CPU-only machine (lightest install; see docs/serving.md).
 install-sglang-cpu: install
 	bash scripts/install_sglang_cpu.sh $(VENV)
 

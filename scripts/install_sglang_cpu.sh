@@ -23,7 +23,7 @@
 #      real sgl_kernel already in VENV is left alone.
 #
 # Nothing of SGLang is edited. The stand-ins are written by this script into VENV only.
-# Run SGLang on CPU with SGLANG_USE_CPU_ENGINE=1 (see docs/sglang.md). NEVER use this on a GPU
+# Run SGLang on CPU with SGLANG_USE_CPU_ENGINE=1 (see docs/serving.md). NEVER use this on a GPU
 # machine: there, `pip install "sglang==0.5.23"` gives the real CUDA stack.
 set -euo pipefail
 

@@ -1,4 +1,4 @@
-"""CUDA kernels against the pure-PyTorch spec and the CPU twins (DESIGN.md section 3).
+"""CUDA kernels against the pure-PyTorch spec and the CPU twins (docs/design.md §3).
 
 Every test here needs a CUDA GPU and an extension built with its CUDA kernels; without them the
 module is skipped. Inputs are fresh random tensors for every case; outputs come from the caching

@@ -13,8 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # Built from parts, so that this file does not name what it looks for.
 OUTSIDE = ("../" + "shared", "/work/" + "shared")
-# Documents cited by the code that moved into docs/: the lead rewrites these citations after the code move.
+# Documents the code once cited, which are now docs/design.md and docs/serving.md.
 OLD_DOCS = re.compile(r"\b" + "DESIGN" + r"\.md\b|dflash-" + "reference" + r"\.md|docs/" + "sglang" + r"\.md")
+# Recorded results: their provenance lists the files of the commit they were made at, as they were.
+RECORDS = ("tests/data/", "bench/results/")
 
 
 def tracked_files() -> list[Path]:
@@ -60,8 +62,7 @@ def test_nothing_refers_to_a_folder_outside_the_repository():
     assert not found
 
 
-@pytest.mark.xfail(strict=True, reason="references rewritten by the lead after the code move")
 def test_code_cites_the_documents_in_docs():
-    found = [str(path.relative_to(ROOT)) for path in tracked_files()
-             if OLD_DOCS.search(path.read_text(errors="ignore"))]
+    found = [name for name, path in ((str(p.relative_to(ROOT)), p) for p in tracked_files())
+             if not name.startswith(RECORDS) and OLD_DOCS.search(path.read_text(errors="ignore"))]
     assert not found, f"cite docs/design.md (or docs/serving.md) instead: {found}"

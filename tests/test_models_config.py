@@ -45,7 +45,7 @@ def test_v2_schema():
 
 
 def test_default_target_layer_ids():
-    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # DESIGN.md example
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # docs/design.md §1.6
     assert default_target_layer_ids(30, 1) == [15]
     raw = copy.deepcopy(V1)
     del raw["dflash_config"]["target_layer_ids"]

@@ -1,5 +1,5 @@
 """z-lab checkpoints (both config schemas, single file and sharded) load into DFlashDraftModel, and
-its draft logits equal an eager implementation of DESIGN.md section 1 written here from the spec."""
+its draft logits equal an eager implementation of docs/design.md §1 written here from the spec."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def write_checkpoint(directory, cfg: dict, tensors: dict, sharded: bool, dtype: 
 
 def reference_draft_logits(w: dict, layers: int, ctx_hidden: torch.Tensor, block_emb: torch.Tensor,
                            lm_head: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor:
-    """DESIGN.md section 1, eagerly, for one request: context of S tokens at positions 0..S-1,
+    """docs/design.md §1, eagerly, for one request: context of S tokens at positions 0..S-1,
     block of B rows at S..S+B-1. Returns the logits of block rows 1..B-1."""
     w = {k: v.double() for k, v in w.items()}
     ctx_hidden, block_emb, lm_head = ctx_hidden.double(), block_emb.double(), lm_head.double()

@@ -45,7 +45,7 @@ MASK_CASES = [
 
 def visible_mean(ctx: int, block: int, i: int, window: int, causal: bool) -> float:
     """The mean position of the keys row i of a block after `ctx` context tokens sees: they are the
-    positions [lo, hi] (DESIGN.md 3.1), so the mean is (lo + hi) / 2."""
+    positions [lo, hi] (docs/design.md §3.1), so the mean is (lo + hi) / 2."""
     pos = ctx + i
     lo, hi = 0, pos if causal else ctx + block - 1
     if window >= 1:

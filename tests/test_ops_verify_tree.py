@@ -1,5 +1,5 @@
 """verify_tree_from_ids (CPU kernel) and verify_tree: exact against the reference; a chain tree is
-verify_block, and branches off the accepted path change nothing (DESIGN.md 3.3)."""
+verify_block, and branches off the accepted path change nothing (docs/design.md §3.3)."""
 
 from __future__ import annotations
 

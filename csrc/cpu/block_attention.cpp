@@ -1,4 +1,4 @@
-// CPU block attention (DESIGN.md 3.1). One task per (request, kv head): the B x G query rows that
+// CPU block attention (docs/design.md §3.1). One task per (request, kv head): the B x G query rows that
 // share a kv head are processed together, so every context K/V tile is gathered and converted to
 // fp32 once and reused by all of them. Keys (context, then the block's own K/V) stream through in
 // tiles of absolute positions with an online softmax, so a verify row computes bit for bit what

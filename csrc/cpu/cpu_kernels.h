@@ -23,7 +23,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_block_from_ids(const at::Tensor& candidates,
                                                                      const at::Tensor& target_ids);
 
-// The walk of each request's draft tree along the target's token ids (DESIGN.md 3.3; the contract
+// The walk of each request's draft tree along the target's token ids (docs/design.md §3.3; the contract
 // is in sglang_dflash/ops/__init__.py): accept_len i32 [bs], path i64 [bs, N], out_tokens i64 [bs, N].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_from_ids(const at::Tensor& tokens,
                                                                     const at::Tensor& parents,
@@ -72,7 +72,7 @@ at::Tensor gumbel_argmax(const at::Tensor& scores, const std::optional<at::Tenso
                          const at::Tensor& offsets, const at::Tensor& rows);
 
 // Every draft layer's context K/V for N tokens, written into the layers' KV pools at out_loc
-// (DESIGN.md 3.4; sglang_dflash/ops/__init__.py has the contract).
+// (docs/design.md §3.4; sglang_dflash/ops/__init__.py has the contract).
 void materialize_context_kv(const at::Tensor& ctx, at::TensorList kv_weights,
                             std::optional<at::TensorList> kv_biases, at::TensorList k_norm_weights,
                             double eps, const at::Tensor& cos_sin_cache, bool is_neox,

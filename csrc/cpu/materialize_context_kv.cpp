@@ -1,4 +1,4 @@
-// CPU materialize_context_kv (DESIGN.md 3.4): every draft layer's context K/V for N committed
+// CPU materialize_context_kv (docs/design.md §3.4): every draft layer's context K/V for N committed
 // tokens in one call. Per layer one projection of all N rows (skinny_linear for decode-sized N,
 // which streams the weight once; BLAS above), then one parallel pass over the rows doing, per
 // (layer, kv head), the k RMSNorm, the RoPE and the conversion into the pools, all in fp32 on

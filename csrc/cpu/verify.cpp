@@ -1,4 +1,4 @@
-// CPU verification (DESIGN.md 3.2). One task per request. The target's token of row i is only
+// CPU verification (docs/design.md §3.2). One task per request. The target's token of row i is only
 // needed while the drafts still agree, so rows are sampled lazily inside the accept scan and the
 // logits of rows past the first disagreement are not read; with fewer requests than threads, a
 // sampled request's rows are sampled in parallel waves instead (see verify_kernel). The
@@ -308,7 +308,7 @@ void verify_kernel(const at::Tensor& candidates, const at::Tensor& logits,
   }
 }
 
-// Tree verification (DESIGN.md 3.3): each request's walk (accept.h, accept_tree) asks for the
+// Tree verification (docs/design.md §3.3): each request's walk (accept.h, accept_tree) asks for the
 // target's token of the nodes it reaches only, the root and the accepted path, so the logits of the
 // other nodes are never read. Node i of request b is sampled as verify_block samples a one-row
 // block at offset offsets[b] + depths[b, i] (ops.verify_tree's contract): one task per request.

@@ -1,4 +1,4 @@
-// CPU tree verification from the target's token ids (DESIGN.md 3.3): the tree's rules are checked
+// CPU tree verification from the target's token ids (docs/design.md §3.3): the tree's rules are checked
 // first (checks.cpp), then every request's walk (accept.h, accept_tree) runs as its own task.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,4 +1,4 @@
-// CUDA block attention (DESIGN.md 3.1), the same semantics as csrc/cpu/block_attention.cpp.
+// CUDA block attention (docs/design.md §3.1), the same semantics as csrc/cpu/block_attention.cpp.
 //
 // Keys are addressed by absolute position: context token j is key j (slot
 // req_to_token[pool, j]), block row r is key ctx + r (read from k_block / v_block), so query row i

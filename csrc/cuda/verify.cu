@@ -1,4 +1,4 @@
-// CUDA verification (DESIGN.md 3.2), the same semantics as csrc/cpu/verify.cpp.
+// CUDA verification (docs/design.md §3.2), the same semantics as csrc/cpu/verify.cpp.
 //
 // Kernel 1 (one CTA per verify row) finds the target's token of the row:
 //  - greedy (temperature <= 0): one pass, block argmax, lowest index on ties.

@@ -1,4 +1,4 @@
-// CUDA tree verification from the target's token ids (DESIGN.md 3.3), the same checks and walk as
+// CUDA tree verification from the target's token ids (docs/design.md §3.3), the same checks and walk as
 // csrc/cpu/verify_tree.cpp (accept.h). One thread per request: a tree has tens of nodes and its walk
 // is a chain of dependent reads, so there is nothing to share among threads. A tree that breaks a
 // rule is recorded for check_device_errors (checking it on the host would cost a device sync); the

@@ -43,16 +43,15 @@ from sglang_dflash.ops.reference import tree_ancestors
 MAX_TREE_BUDGET = 256  # drafted nodes per request: the target verifies up to budget + 1 rows a step
 MAX_TREE_TOPK = 64  # choices per position
 DEFAULT_TREE_TOPK = settings.TREE_TOPK.default  # where none is asked: the CLI's --tree-topk, the server's setting
-# Trees of up to this many nodes (the adaptive choice plays N, N / 2 and N / 4) beside the chains
-# where the block size adapts and no budget is asked (`generate --adaptive`; the served worker on
-# CPU, whose block holds at most B - 1): against 4 (greedy and T = 1, bf16 and fp32, HumanEval /
-# GSM8K / MT-Bench) 0.99-1.09x the tok/s (bench_e2e,
-# bench/results/e2e_smollm2-135m_adaptive_trees15*.json); served, trees of up to 7 against 4:
-# bench/results/serving_smollm2-135m_trees7*.json (the tables in README.md and docs/sglang.md).
+# Trees of up to this many nodes beside the chains where the block size adapts and no budget is
+# asked (`generate --adaptive`; the served worker on CPU, whose block holds at most B - 1): the
+# adaptive choice then plays trees of 15, 7 and 3 nodes, and keeps the ones that commit more per
+# second than the best chain. Fixed trees of 4, 8 and 15 nodes against chains:
+# bench/results/e2e_smollm2-135m_trees.json (fp32) and e2e_smollm2-135m_trees_bf16.json.
 DEFAULT_TREE_BUDGET = 15
 # Nodes less likely than this (the product of the draft probabilities on their path) are left out
-# of a greedy tree: the module docstring's break-even on this CPU; against 0 (every tree grown to
-# its budget) in bench/results/e2e_smollm2-135m_trees_bf16.json.
+# of a greedy tree: the break-even of the module docstring; against 0 (every tree grown to its
+# budget) in bench/results/e2e_smollm2-135m_trees_bf16.json.
 DEFAULT_TREE_MIN_PROB = 0.03
 
 

@@ -1,4 +1,4 @@
-"""Batched, lossless DFlash speculative generation on a Hugging Face target (DESIGN.md section 1).
+"""Batched, lossless DFlash speculative generation on a Hugging Face target (docs/design.md §1).
 
 Each step: the drafter proposes B-1 tokens after every request's anchor (its last committed
 token); the target verifies the B-token block; `verify_block` samples the target's token for every

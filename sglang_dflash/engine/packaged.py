@@ -2,7 +2,7 @@
 into a cached Hugging Face directory (safetensors + tokenizer) keyed by the GGUF's sha256.
 
 The packages are located through their installed metadata and never imported (their own
-`__init__` pulls heavy dependencies). See DESIGN.md section 5.
+`__init__` pulls heavy dependencies). See docs/design.md §8.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Load and save DFlash drafters in z-lab's format: `config.json` + `model.safetensors`
-(or shards listed in `model.safetensors.index.json`), tensor names as in DESIGN.md section 1.
+(or shards listed in `model.safetensors.index.json`), tensor names as in docs/design.md §1.6.
 
 An optional `draft_vocab.safetensors` (tensor `token_ids`: the target token ids drafts may take,
 e.g. the most frequent ones in the training data) restricts the drafter's LM head to those rows,

@@ -1,6 +1,6 @@
 """The draft model's paged context K/V cache: a token-slot pool plus a request -> slots table.
 
-Same layout as SGLang's pools (DESIGN.md 3.1): every committed context token owns one slot, and
+Same layout as SGLang's pools (docs/design.md §3.1): every committed context token owns one slot, and
 `req_to_token[r, j]` is the slot of request r's context token j. All draft layers share the slot
 ids; layer l's keys live in `k[l]` ([num_slots, kv_heads, head_dim]).
 """

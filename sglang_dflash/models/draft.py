@@ -1,4 +1,4 @@
-"""DFlashDraftModel: the block drafter of DESIGN.md section 1, with z-lab's state-dict names.
+"""DFlashDraftModel: the block drafter of docs/design.md §1, with z-lab's state-dict names.
 
 The model owns no embedding and no LM head (the target's are used). Context tokens enter once,
 through `append_context` (fc -> hidden_norm -> per-layer k_proj/k_norm/RoPE and v_proj, written

@@ -1,4 +1,4 @@
-"""The kernels' public API. Semantics: DESIGN.md section 3; executable spec: `reference.py`.
+"""The kernels' public API. Semantics: docs/design.md §3; executable spec: `reference.py`.
 
 Every op validates its arguments in the extension (shapes, dtypes, devices, and on CPU the index
 values) and raises one ValueError naming the bad argument. On CUDA the index values are checked by
@@ -117,7 +117,7 @@ def block_attention(
     Block rows see every block row (only rows <= themselves when `causal_block`); `window` >= 1
     keeps the keys within that many positions. sm_scale defaults to D ** -0.5.
 
-    Tree mode (verifying a draft tree, DESIGN.md 3.3): `tree_parents` int32 / int64 [bs, B], the
+    Tree mode (verifying a draft tree, docs/design.md §3.3): `tree_parents` int32 / int64 [bs, B], the
     block's rows being the tree's nodes in an order where parents come first (tree_parents[b, i] < i;
     -1 for the root and for unused nodes), and block row i sees the context, itself and its
     ancestors only. Neither `window` nor `causal_block` goes with it. On CPU a node's output is
@@ -171,7 +171,7 @@ def verify_block_from_ids(
 def verify_tree_from_ids(
     tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, target_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Verify a draft tree per request against the target's token after each node (DESIGN.md 3.3).
+    """Verify a draft tree per request against the target's token after each node (docs/design.md §3.3).
 
     tokens int64 [bs, N]: node 0 is the root (the last committed token), nodes 1.. the drafts.
     parents int32/int64 [bs, N]: parents[b, 0] = -1; for i >= 1 a node before i, or -1 for an
@@ -367,7 +367,7 @@ def materialize_context_kv(
     v_scale: float = 1.0,
 ) -> None:
     """Writes the draft context K/V of N committed tokens into every draft layer's KV pool, in one
-    call (DESIGN.md 3.4): for layer l and row i with out_loc[i] >= 0,
+    call (docs/design.md §3.4): for layer l and row i with out_loc[i] >= 0,
 
         kv = ctx[i] @ kv_weights[l].T (+ kv_biases[l])   fp32 accumulation, rounded to ctx's dtype
         k, v = kv[:Hkv*D], kv[Hkv*D:] as [Hkv, D]

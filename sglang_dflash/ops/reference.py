@@ -1,7 +1,7 @@
-"""Pure-PyTorch references of the kernels: the executable spec (DESIGN.md section 3).
+"""Pure-PyTorch references of the kernels: the executable spec (docs/design.md §3).
 
 These favour being obviously right over being fast. The C++ and CUDA kernels are tested against
-them; any disagreement is a kernel bug unless this file contradicts DESIGN.md.
+them; any disagreement is a kernel bug unless this file contradicts docs/design.md §3.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 In a DFLASH step every request has a block of B rows: the draft's block (anchor + B-1 masks,
 non-causal: ENCODER_ONLY layers) and the target's verify (causal among the B rows). Both attend to
 the request's context in SGLang's token-slot KV pool (`seq_lens[b]` tokens, slots through
-`req_to_token`) plus the block's own K/V, which is exactly `block_attention` (DESIGN.md 3.1). In a
+`req_to_token`) plus the block's own K/V, which is exactly `block_attention` (docs/design.md §3.1). In a
 tree step (trees.py) the target's verify block is a draft tree: its causal layers run the tree mode.
 
 `install_draft_attention(worker)` wraps each draft layer's `RadixAttention.forward` (per instance,

@@ -34,7 +34,7 @@ from sglang_dflash.serving import request_checks
 logger = logging.getLogger(__name__)
 
 HOOK_TARGET = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
-# The SGLang releases whose internals the worker was checked against (docs/sglang.md lists them).
+# The SGLang releases whose internals the worker was checked against (docs/serving.md lists them).
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 
 _registered = False

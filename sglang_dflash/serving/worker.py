@@ -6,7 +6,7 @@ scheduling, TP, CUDA graphs). Its seams: `forward_batch_generation` (the adaptiv
 adaptive.py), `_greedy_sample_from_vocab_parallel_head` (drafts among the drafter's draft
 vocabulary), `_append_target_hidden_to_draft_kv_by_loc` (context K/V through
 `materialize_context_kv`, context_kv.py), and `_accept_block`, with our `verify_block` kernels
-(DESIGN.md section 3.2):
+(docs/design.md §3.2):
 
 - greedy with the target's argmax ids (SGLang's deferred-argmax path): `verify_block_from_ids`;
 - greedy with logits: `verify_block` at temperature 0, i.e. the argmax fused into the accept scan

@@ -28,7 +28,7 @@ SGLD_HOST_DEVICE int64_t accept_block(const int64_t* candidates, int block_size,
   return bonus;
 }
 
-// Node i of one request's draft tree against the tree's rules (DESIGN.md 3.3): parent(j) is
+// Node i of one request's draft tree against the tree's rules (docs/design.md §3.3): parent(j) is
 // parents[b, j], depths its row of depths. Returns the broken rule as the error of request b, or
 // check kNone. Reads nodes i and parent(i) only, so the whole tree costs O(N).
 template <typename ParentAt>
@@ -46,7 +46,7 @@ SGLD_HOST_DEVICE IndexError check_tree_node(ParentAt parent, const int64_t* dept
   return error(IndexCheck::kNone, 0, 0);
 }
 
-// The walk of tree verification (DESIGN.md 3.3) over one request's N nodes: from the root (node
+// The walk of tree verification (docs/design.md §3.3) over one request's N nodes: from the root (node
 // 0), while a child of the current node (parent(c) == it) holds target(current), the target's
 // token after it, move to that child, the lowest-index one if several do. Writes path[0..N-1] = 0,
 // the accepted nodes, then -1, and out_tokens[0..N-1] = the accepted tokens, the bonus (the
