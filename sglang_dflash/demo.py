@@ -8,8 +8,8 @@ import textwrap
 
 from sglang_dflash.train.code_prompts import complete_function_prompt
 
-# Among the shipped drafter's fastest block sizes on a 2-core CPU: B 3-6 are within noise of each
-# other, B 8 verifies more tokens than it gets accepted (bench/results/e2e_smollm2-135m_block_sweep.json).
+# Among the shipped drafter's fastest fixed block sizes on a small CPU: longer blocks verify more
+# tokens than get accepted (fixed B = 2, 3 and 4 in bench/results/e2e_smollm2-135m.json).
 DEMO_BLOCK_SIZE = 4
 
 DEMO_PROMPTS = [

@@ -1,89 +1,53 @@
 """Adaptive block size: each verify step drafts as many tokens as are expected to pay.
 
-A longer block commits more tokens when the drafts are right and costs more target (and draft)
-compute either way, and how often drafts are right changes with the text and the temperature: a
-drafter that is right on code can be wrong on chat, where speculation at a fixed B runs slower than
-plain decoding. The controller picks the block size b (1 = a plain step) that maximises expected
-tokens per second:
+A longer block commits more tokens when the drafts are right and costs more target and draft
+compute either way, and how often drafts are right changes with the text and the temperature. The
+controller picks the block size b (1 = a plain step) that maximises expected tokens per second
+(docs/design.md §6):
 
     E[tokens](b) = 1 + sum_{k < b} p_1 * ... * p_k,      b* = argmax E[tokens](b) / seconds(b).
 
-Acceptance: p_k = P(draft k accepted | drafts before it were), estimated from the steps that
-tested draft k (pooled over requests: the Kaplan-Meier estimate, a step at block b censors the
-positions >= b). Each position forgets by `decay` per test of that position, not per step, so a
-position the chosen blocks rarely reach keeps what it last learned instead of drifting back to
-an optimistic prior (which made a low-acceptance run keep re-trying drafts). A position with
-little data leans on the estimate of the position before it.
+Acceptance: p_k = P(draft k accepted | the drafts before it were), from the steps that tested
+draft k, pooled over requests (a step at block b censors the positions >= b). Each position forgets
+by `decay` per test of that position, not per step, so a position the chosen blocks rarely reach
+keeps what it last learned instead of drifting back to an optimistic prior; a position with little
+data leans on the one before it. Acceptance comes in stretches, so it is also kept per request
+state (`next_state`: the first step, the last drafting step accepted none, some or all of its
+drafts, the last step was plain), each state's estimate shrunk towards the pooled one by
+`_STATE_PRIOR_WEIGHT` tests; a step's expected tokens are the mean over its requests' states. A
+plain step tests no draft, so an estimate that noise put too low would stay low while plain steps
+play: plain wins only by `_PLAIN_MARGIN`, and after a plain step a request is in a state of its
+own.
 
-Acceptance comes in stretches, so each request's last step tells of its next: the acceptance is
-also estimated per request state (its first step; its last drafting step accepted none, some or
-all of its drafts; its last step was plain), each state's estimate shrunk towards the pooled
-one by `_STATE_PRIOR_WEIGHT` tests, and a step's expected tokens are the mean over its requests' states. Replayed accept
-lengths of the shipped drafter (B = 8, greedy, 64 prompts a set) give, at B = 4, 1.64 expected
-tokens on HumanEval after a step that accepted nothing and 2.57 after one that accepted 3+; a first
-step, which often repeats code from the prompt, accepts 6.7 of 7 drafts there (B = 8 is its best
-size, where B = 4 is everyone else's). Replayed at this CPU's measured step costs and noise,
-the states lift the controller from 0.976 to 0.988 of the best fixed size's rate on HumanEval
-(tests/test_engine_block_size.py) and change it by less than 0.5 % on GSM8K and MT-Bench, whose
-states differ less (the shrinkage weight: 4 gave HumanEval 0.99 but GSM8K's worst runs 1 % less,
-16 gave up half of HumanEval's gain). A plain step tests no draft, so an estimate that noise put
-too low stays low while plain steps play: plain is chosen only when predicted `_PLAIN_MARGIN`
-faster than the best drafting size, and after a plain step a request is in a state of its own
-(MT-Bench, greedy, where B = 2 makes 7-9 % more than plain: with the state kept, a run had its
-acceptance after a rejected step at 0.12 where the drafts made 0.19, and played plain steps on
-half of its steps; with the state of its own, on 14 %).
+Verify length: DFlash drafts all of a block's positions in one pass, so every draft's probability
+is known before the target verifies any, and a sure draft is accepted far more often than an unsure
+one (draft_confidence.py). A step at a chosen b >= 3 drafts b + 1 positions (`draft_size`), and
+`verify_length` verifies the rows whose expected tokens, from the calibrated confidences, pay for
+their time at the best chain's predicted rate. The drafts left unverified still count towards the
+per-position acceptance with their calibrated acceptance, so it stays the acceptance of every draft
+rather than of the confident ones. Blocks of 2 verify both their rows anyway and draft no third.
 
-Verify length: DFlash drafts a block's positions in one pass, so every draft's probability is known
-before the target verifies any, and a sure draft is accepted far more often than an unsure one
-(draft_confidence.py). A step at a chosen b >= 3 drafts b + 1 positions (a draft row costs ~0.2 ms
-here, a verify row 1-3 ms) and `verify_length` verifies the rows whose expected tokens, from the
-calibrated confidences, pay for their time at the best chain's predicted rate. The drafts left
-unverified still count for the per-position acceptance, with their calibrated acceptance, so it
-stays the acceptance of every draft rather than of the confident ones. Replayed on the shipped
-drafter's measured HumanEval steps and confidences it lifts the controller from 0.989 to 1.011 of
-the best fixed size's rate (tests/test_engine_block_size.py); in bench_e2e (HumanEval, greedy) it
-verified a mean 3.4 rows a step for tau 2.10 where B = 4 verifies 4 for 2.04 (commit e5be27d), and
-3.0 rows for tau 2.05, as B = 4 makes with 4, once the drafter's activations went int8 (b9e93fe). Blocks of 2 do not
-draft a third position: they verify both their rows anyway, and in side-by-side runs on MT-Bench,
-greedy (B = 2 best), the third draft and its confidences cost 1-2 % more than they gained.
-
-Step time: `StepTimeModel`, one per batch size. A CPU step's time varies +-20 % from step to step
-and drifts with the machine and the context length, so separate medians per block size (the
-controller's first version) were noisy and stale: a size not played for a while kept an old time
-and was chosen, or avoided, for it. Instead every step, whatever its size, updates one model of
-all sizes: seconds(b) = base + jump * [b > 1] + slope * max(b - 2, 0) + residual_b (a plain step;
-the draft forward and the second row; each further row; where size b's kernels leave the line),
-tracked by a Kalman filter in which `base` drifts fastest, so a slower machine or a longer context
-moves every size's time at once, while the draft costs keep what the contrasts between sizes
-taught them. The residuals (prior 0) exist because rows do not cost alike: on this CPU the fifth
-costs ~3x each of rows 2-4, so the line alone made B = 5 look 4-6 % cheaper than it was, and
-B = 4 dearer. Played side by side (HumanEval, GSM8K, MT-Bench at T = 0 and 0.7, 8 prompts each,
-twice; cells move +-4 % between runs), the model with residuals made a mean 97.1 % of the best
-fixed B (6 of 12 cells within 3 %), without them 96.4 % (4 of 12); that was at a residual
-prior sd of 0.05, the simulated tests favour 0.035 (fewer runs misled by a slow first spell).
-The first step at each (batch size, b) is not timed (one-off costs of a new shape); a new batch
-size plays plain steps until one is timed and starts from the nearest known batch size's model,
-its draft and row costs times the batch sizes' ratio, rescaled to that plain step.
+Step time: `StepTimeModel`, one per batch size, updated by every step whatever its size, because
+a CPU step's time is noisy and drifts with the machine and the context length: separate medians
+per size went stale for the sizes not played. The first step at each (batch size, b) is not timed
+(one-off costs of a new shape); a new batch size plays plain steps until one is timed and starts
+from the nearest known batch size's model, its draft and row costs scaled by the batch sizes'
+ratio.
 
 Exploration: the first batch size times the largest size (which tests every draft position), 2
-and 1 first, two steps each, in turns (one noisy step each once made a few slow early steps look
-like the cost of the small sizes); then every `explore_every`-th step plays another size near b*,
-at a small cost: b* + 1 tests the first draft position the chosen blocks leave untested, so the
-choice can grow again when drafts start to pay; every 4th exploration (every 2nd at b* = max,
-where there is no b* + 1) plays b* // 2 instead, so the step-time model keeps seeing sizes rows
-apart, and at b* >= 4 every 4th after that a plain step (b* // 2 is no plain step there). Steps of
-one size alone cannot tell a row's cost from the plain step's: after a few slow early steps at small
-sizes the model once took rows for nearly free, chose the largest size, and, exploring only
-upwards, never played anything else again (HumanEval, T = 1: B = 8 on 99 % of steps, 0.90x plain
-where B = 4 made 1.21x). Without plain steps the model's base and jump drift apart unchecked, and on
-this CPU, where rows past four cost more than the model's one slope says, a run could settle on a
-too-large size (simulated: 79 % of the best fixed size's rate). Where a neighbour of b* (b* - 1 or
-b* + 1) is predicted within 3 % of b*'s rate, which of the two wins rests on small differences of
-noisy estimates (chat: plain steps against two-token blocks, p_1 ~ 0.2, where B = 2 made 1.03-1.08x
-plain while two runs of the same cell chose plain on 53 % and on 4 % of their steps); such a
-neighbour is played every 4th step instead of every 16th, so its estimates are 4x as sure, at a
-cost of at most 3 % of a quarter of the steps. The block size never changes the output: every
-step is a lossless verify.
+and 1 first, `_ANCHOR_TIMINGS` steps each, in turns. Then every `explore_every`-th step plays
+another size near b*: b* + 1, which tests the first position the chosen blocks leave untested, so
+the choice can grow again when drafts start to pay; every 4th exploration (every 2nd at the
+largest size) b* // 2, and at b* >= 4 every 4th after that a plain step, so the time model keeps
+seeing sizes rows apart (steps of one size alone cannot tell a row's cost from a plain step's, and
+a model that never sees plain steps lets its base and jump drift apart). A neighbour of b*
+predicted within `_CLOSE` of its rate is played every 4th step, because which of two close sizes
+wins rests on small differences of noisy estimates.
+
+The constants were chosen on replays of the shipped drafter's measured accept lengths and step
+costs (tests/test_engine_block_size.py, tests/data/accept_lengths_humaneval_t0_b8.json) and
+end to end against fixed block sizes (bench/results/e2e_smollm2-135m.json). The block size never
+changes the output: every step is a lossless verify.
 """
 
 from __future__ import annotations
@@ -115,8 +79,8 @@ def next_state(state: int, block_size: int, accepted: int, tree_budget: int = 0)
     `block_size`, or with `tree_budget` a tree of that many nodes from a block of `block_size`,
     which counts as the chain of its depth + 1. After a plain step (block size 1), which tests no
     draft: AFTER_PLAIN. Were the state kept instead, a request whose drafts were all rejected
-    once, in a state where plain steps win, would stay in it step after step, stale: MT-Bench,
-    greedy, chose plain steps for half of all steps (where B = 2 makes 7 % more than plain)."""
+    once, in a state where plain steps win, would stay in it step after step, its estimate never
+    corrected by a draft."""
     drafted = min(block_size - 1, tree_budget) + 1 if tree_budget else block_size
     if drafted <= 1:
         return AFTER_PLAIN
@@ -126,12 +90,12 @@ def next_state(state: int, block_size: int, accepted: int, tree_budget: int = 0)
 class StepTimeModel:
     """seconds(b) = base + jump * [b > 1] + slope * max(b - 2, 0) + residual_b at one batch size,
     from noisy step times: a Kalman filter over (base, jump, slope, residual_3..residual_max),
-    innovations clipped at 2.5 sigma. The line is the prior shape of a step; residual_b (prior 0)
-    is where size b's own kernels' cost leaves it: on this CPU the fifth row costs ~3x each of
-    rows 2-4 (medians of steps at sizes 1-8 played in shuffled turns, HumanEval and GSM8K prompts:
-    +2.1, +1.5, +2.2, +7.6, +2.7, +2.4, +3.8 ms over a 40 ms plain step), which one slope cannot
-    say, and a size is learned from its own plays instead. Plain floats, not numpy: it runs every
-    step, and numpy's per-call cost was ~0.2 ms of it."""
+    innovations clipped at `_OUTLIER_SIGMAS`. `base` drifts fastest, so a slower machine or a
+    longer context moves every size's time at once, while the draft and row costs keep what the
+    contrasts between sizes taught them. The line is the prior shape of a step; residual_b (prior
+    0) is where size b's own kernels leave it: rows do not all cost alike, which one slope cannot
+    say, so a size off the line is learned from its own plays. Plain floats, not numpy: it runs
+    every step, and numpy's per-call overhead would dominate such small matrices."""
 
     def __init__(self, max_block_size: int, first_b: int, first_seconds: float,
                  template: StepTimeModel | None = None, rows_scale: float = 1.0):
@@ -268,9 +232,8 @@ class BlockSizeController:
             # A new batch size plays plain steps until one is timed (the first is not), so its
             # model starts from its own plain step and the nearest batch size's row costs scaled
             # by the ratio (observe). Rescaling all of that model to a first timed long block
-            # instead took rows to cost at 4 requests what they cost at 1: the plain step then
-            # looked 2.5x dearer than it was, and a served run played B = 8 at 4 requests,
-            # 113 ms a step where plain took 42.
+            # instead would take rows to cost at n requests what they cost at 1, so the plain
+            # step would look far dearer than it is and long blocks would win for no reason.
             return self._decide(1, "first try")
         expected, seconds = self.predictions(batch_size, states)
         rate = [e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True)]
@@ -296,8 +259,8 @@ class BlockSizeController:
                  and rate[b - 1] >= (1.0 - _CLOSE) * rate[best - 1]]
         every = max(self.explore_every // 4, 2)
         if close and self._steps % every == every - 1:
-            # A neighbour within a few % of the best: which of the two wins rests on small
-            # differences of noisy estimates, so it is played 4x as often as an exploration.
+            # A neighbour within _CLOSE of the best: which of the two wins rests on small
+            # differences of noisy estimates, so it is played four times as often as an exploration.
             return self._decide(close[(self._steps // every) % len(close)], "close", expected, seconds)
         return self._decide(best, "best", expected, seconds)
 
@@ -383,8 +346,7 @@ class BlockSizeController:
         """The verified drafts teach the calibration; the drafted but unverified ones of a request
         whose verified drafts were all accepted count as tests with their calibrated acceptance.
         Without them the per-position acceptance would be learned only from the drafts
-        `verify_length` kept, those of high confidence, and overestimated (replayed: the
-        controller made 0.3-0.7 % less of the best fixed size's rate)."""
+        `verify_length` kept, those of high confidence, and overestimated."""
         if len(confidences) != len(accept_lens):
             raise ValueError(f"{len(confidences)} requests' draft confidences for {len(accept_lens)} accept lengths")
         for i, (a, q) in enumerate(zip(accept_lens, confidences, strict=True)):

@@ -1,29 +1,26 @@
-"""Chain or tree, step by step: the adaptive choice when draft trees are allowed.
+"""Chain or tree, step by step: the adaptive choice when draft trees are allowed (docs/design.md §6.5).
 
 A tree of n drafted nodes (tree.py) verifies up to n + 1 rows a request (fewer where a greedy
-tree stops at its least path probability: the budget's measured ratio below takes that in) and
-commits at least what the chain of its depth would (the drafter's argmax chain is in it). Whether
-it pays depends on what a verified row costs: on targets whose steps are bound by reading the
-weights (GPUs, larger models) extra rows are nearly free and trees win; on this 2-core CPU a
-SmolLM2 row costs ~1 ms of a ~40 ms fp32 step (~0.45 ms of ~30 ms in bf16 on AMX): a 16-node tree
-grown to its budget runs slower than the best chain in fp32 and ~1.1x faster in bf16. So the
+tree stops at its least path probability: the budget's measured time ratio below takes that in)
+and commits at least what the chain of its depth would (the drafter's argmax chain is in it).
+Whether it pays depends on what a verified row costs next to the whole step: where steps are bound
+by reading the weights (GPUs, larger models) extra rows are nearly free and trees win; on a small
+CPU target a large tree can cost more than it commits, more so in fp32 than in bf16
+(bench/results/e2e_smollm2-135m_trees.json and e2e_smollm2-135m_trees_bf16.json). So the
 controller estimates, per step:
 
 - the chains' best rate, from `BlockSizeController` (which keeps choosing the chain, 1 = plain);
-- each tree budget n's rate = tokens(n) / seconds(n). tokens(n) = the chain of the tree's depth's
-  expected tokens times the tree's gain over it: the gain changes slowly while the chain's
-  acceptance follows the text, so every budget follows it between its own plays. Where the caller
-  says how many drafts the chain inside each tree had accepted (`tree.chain_accept_lens`: the
-  engine and the served worker), the gain is the decayed tokens the trees committed over the
-  decayed tokens their chains would have: paired on the same text, never below 1. (Its first
-  version, a decayed mean of tokens committed over the chain's expected tokens then, also carries
-  how the text went: three tries of a 4-node tree on the hard start of a HumanEval answer put its
-  gain at 0.57, and the controller never played it again where it made 1.03x the best chain.)
-  Without them, that decayed mean, from 1 (the chain is in the tree). The chain inside each tree
-  also updates the chains' per-position acceptance (with its depth, `tree.chain_depths`): without
-  that, the chain's expected tokens froze while trees played, and a served 4-node tree ran 229
-  steps at 1.26 tokens a step (44 ms, where a plain step made 1 token in 30 ms) on the chains'
-  estimate of 1.8 from the text before.
+- each tree budget n's rate = tokens(n) / seconds(n). tokens(n) = the expected tokens of the chain
+  of the tree's depth times the tree's gain over it: the gain changes slowly while the chain's
+  acceptance follows the text, so every budget follows the text between its own plays. Where the
+  caller says how many drafts the chain inside each tree had accepted (`tree.chain_accept_lens`:
+  the engine and the served worker), the gain is the decayed tokens the trees committed over the
+  decayed tokens their chains would have: paired on the same text, so a few tries on hard text do
+  not bury a budget, and never below 1. Without them, a decayed mean of tokens committed over the
+  chain's expected tokens, from 1 (the chain is in the tree). The chain inside each tree also
+  updates the chains' per-position acceptance (with its depth, `tree.chain_depths`), so the
+  chains' expected tokens, and every budget's, stay current while trees play instead of holding
+  the estimate of the text before.
   seconds(n) = the chains' modelled time at n + 1 rows (at most the largest chain: the model is not
   extrapolated past the sizes the chains play) times the budget's measured ratio to it (a tree
   of n drafts a block of min(n + 1, B), takes the top-k and verifies under a 4-D mask). A budget
@@ -33,12 +30,12 @@ It plays the chains' choice while no tree is predicted faster, the best budget w
 First tries: the chains' own, then every budget `_TREE_TRIES` times, smallest first, a larger one
 only while its prediction from the smaller ones may be near the best rate (the first step of a new
 shape is not timed). Every `_EXPLORE_EVERY`-th step another arm plays, in turns: the chains' choice
-while a tree wins, and the budgets that may be near the best rate; budgets far below it (< 80 %,
-counting a budget played p times 1 + 0.5 / sqrt(p) times faster, so a few unlucky first tries do
-not bury it) at every `_FAR_TURNS`-th of those turns only. Simulated (tests/test_engine_chain_or_tree.py):
->= 96.5 % of the best fixed chain where chains win (the trees' tries and explorations cost ~1 %),
-1.14-1.24x it where a tree is 26 % faster (90-97 % of that tree). Every step is a lossless verify, chain or tree, so the
-mix never changes the output, greedy or seeded sampling.
+while a tree wins, and the budgets that may be near the best rate; budgets far below it (under
+`_WORTH_EXPLORING` of it, counting a budget played p times 1 + 0.5 / sqrt(p) times faster, so a few
+unlucky first tries do not bury it) at every `_FAR_TURNS`-th of those turns only. What the tries
+and explorations cost where chains win, and how close it comes to the best tree where one wins, is
+simulated in tests/test_engine_chain_or_tree.py. Every step is a lossless verify, chain or tree, so
+the mix never changes the output, greedy or seeded sampling.
 """
 
 from __future__ import annotations
@@ -96,13 +93,13 @@ class ChainOrTreeController:
         if untried is not None and (untried == self.tree_budgets[0] or self._optimistic(rates[untried], untried)
                                     >= _WORTH_EXPLORING * max(chain_rate, rates[best])):
             # Smallest first; a larger budget, predicted from the smaller ones' gain and time, only
-            # while it may be near (on this CPU a 16-node tree is not worth its tries on chat).
+            # while it may be near: a large tree that is far behind is not worth its tries.
             return self._tree(untried, "first try", rates)
         if self._steps % _EXPLORE_EVERY == _EXPLORE_EVERY - 1:
             # The arms other than the chosen one, in turns: the chains' choice (while a tree wins)
             # and the trees that may be near the best rate at every exploration, the others at
             # every `_FAR_TURNS`-th. "May be": the rate of a budget played p times counts
-            # 1 + 0.5 / sqrt(p) times higher here (its tokens per step vary by ~+-50 %), so four
+            # 1 + 0.5 / sqrt(p) times higher here (a budget's tokens per step vary widely), so four
             # unlucky first tries do not make a budget that wins look far.
             top = max(chain_rate, rates[best])
             others = [n for n in self.tree_budgets if not (tree_wins and n == best)]

@@ -2,16 +2,14 @@
 
 DFlash drafts every block position in one forward pass, so a step's drafts and their draft
 probabilities are all known before the target verifies anything. A draft the drafter was sure of
-is accepted far more often than one it was not (the shipped drafter at B = 8, greedy, 64 prompts a
-set, drafts tested: 94 % of those of probability >= 0.9 accepted on HumanEval, 13 % of those in
-[0.1, 0.2)), so the adaptive block size drafts one position more than its chosen block and
-verifies only the drafts whose acceptance pays for their verify rows (block_size.py,
-`verify_length`).
+is accepted far more often than one it was not (the shipped drafter's recorded HumanEval steps,
+with each draft's probability: tests/data/accept_lengths_humaneval_t0_b8.json), so the adaptive
+block size drafts one position more than its chosen block and verifies only the drafts whose
+acceptance pays for their verify rows (block_size.py, `verify_length`).
 
-The drafter's probability is not the acceptance probability: on code and math they agree within a
-few %, on chat the drafter is overconfident (MT-Bench: 81 % accepted at >= 0.9, 40 % in
-[0.5, 0.6), where HumanEval accepts 55 %), and temperature changes both. So it is calibrated
-online: `ConfidenceCalibration` keeps, per bin of confidence, the fraction of drafts
+The drafter's probability is not the acceptance probability: they agree closely on code and math
+where the drafter was trained, chat makes it overconfident, and temperature changes both. So it is
+calibrated online: `ConfidenceCalibration` keeps, per bin of confidence, the fraction of drafts
 accepted among those tested (a draft is tested when every draft before it was accepted), each
 bin starting from its own mid-point with the weight of `_PRIOR_WEIGHT` tests and forgetting by
 `_DECAY` per test, so it follows a change of text or temperature.

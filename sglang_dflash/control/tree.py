@@ -18,15 +18,14 @@ request's last committed token (the chain's row 0); nodes come in the order they
 Growth also stops at the first node whose path probability is below `min_prob` (every node left
 is less likely): a node adds its path probability to the tokens a step is expected to commit and
 costs the step a verified row, so it pays only while that probability is above (tokens a step
-commits) x (a row's share of the step's time). On a 2-core CPU a SmolLM2 row is ~1.4 % of a step
-(0.42 of ~30 ms, bf16) and a tree step commits ~2.5 tokens: ~0.035. Where the draft is sure the
-tree runs deep and narrow, where it is not the step verifies a few rows instead of the budget.
-The tree's first node stays (the chain of 2), so every step still drafts. Greedy only: there a
-node's draft probability, given its parent accepted, is about the rate the target accepts it at
-(the shipped drafter on HumanEval: within a few points on the chain, overconfident off it).
-Sampled trees rank their choices with the verify's own noise, which the target then accepts far
-more often than their probability says: bounded at 0.03 they shrank to 3.4-4.2 rows and lost to
-the unbounded ones (bench/results/e2e_smollm2-135m_trees_bf16.json, T = 1).
+commits) x (a row's share of the step's time). DEFAULT_TREE_MIN_PROB is that break-even for the
+shipped SmolLM2 drafter and target in bf16 on a small CPU. Where the draft is sure the tree runs
+deep and narrow, where it is not the step verifies a few rows instead of the budget. The tree's
+first node stays (the chain of 2), so every step still drafts. Greedy only: there a node's draft
+probability, given its parent accepted, is about the rate the target accepts it at. Sampled trees
+rank their choices with the verify's own noise, which the target then accepts far more often than
+their probability says, so a bound would cut the nodes that pay. Bounded and unbounded trees,
+greedy and sampled: bench/results/e2e_smollm2-135m_trees_bf16.json.
 """
 
 from __future__ import annotations
@@ -138,7 +137,8 @@ def build_trees(anchors: torch.Tensor, candidates: torch.Tensor, scores: torch.T
     cand, score = candidates.cpu().tolist(), scores.float().cpu().tolist()
     sizes = []
     # Per request and node, the bitmask of the node and its ancestors (unused nodes: only
-    # themselves), where tree_ancestors' tensor loop costs ~0.15-0.3 ms.
+    # themselves), built while growing: tree_ancestors' tensor loop afterwards would cost a
+    # tree step more than the growth itself.
     seen = [[1 << i for i in range(n)] for _ in range(bs)]
     for b in range(bs):
         # Heap entries: (-path score, sum of ranks on the path, depth, rank, parent node).

@@ -5,11 +5,9 @@ Each prompt runs alone (batch size 1): plain decoding once and speculative decod
 block size (fixed, adaptive up to a maximum, and trees of given budgets), all in lock-step: each
 configuration has its own target and drafter, and they take one step each in turns (which goes
 first rotates from prompt to prompt), every run timed by its own steps only. So a slow spell of
-the machine falls on all of them alike. Run one after the other instead (configurations rotating
-per prompt), the same code's fixed block sizes moved by up to 0.20x between runs, and one 4-prompt
-GSM8K sweep timed B = 2 steps at 64 ms against 42 ms at B = 5 (this 2-core VM's speed drifts for
-seconds to minutes); in lock-step the same sweep timed 37.7 and 42.3 ms, step time rising with B
-on every dataset.
+the machine falls on all of them alike: a small shared machine's speed drifts for seconds to
+minutes, and configurations run one after the other would be timed on different machines, in
+effect, enough to reorder block sizes whose step times differ by a few milliseconds.
 Speed is decode tokens per second (prefill excluded: it is the same work in both).
 """
 
@@ -44,7 +42,7 @@ class Comparison:
     adaptive: bool = False
     tree_budget: int = 0  # > 0: trees of up to this many drafted nodes, at most block_size - 1 deep
     tree_topk: int = 0
-    tree_min_prob: float = 0.0  # the trees' least path probability (tree.py)
+    tree_min_prob: float = 0.0  # the trees' least path probability (control/tree.py)
 
     def summary(self) -> dict:
         """tau (token-weighted: committed tokens over verify steps; and the mean over prompts),

@@ -88,11 +88,11 @@ class DFlashDrafter:
                 sampling: DraftSampling | None = None, confidence: bool = False):
         """The drafts of block positions 1..block_size - 1 per request, int64 [bs, block_size - 1];
         with `confidence`, also each draft's probability under the drafter's distribution at the
-        verify's temperature (greedy: at 1), float32 of the same shape (draft_confidence.py)."""
+        verify's temperature (greedy: at 1), float32 of the same shape (control/draft_confidence.py)."""
         logits = self._draft_logits(reqs, anchors, block_size)
         sampled = sampling is not None and sampling.temperature > 0
         if not sampled:
-            # max(-1).indices: torch's CPU argmax over bf16 rows is ~3x slower (0.1 ms a step).
+            # max(-1).indices: torch's CPU argmax over bf16 rows is the slower of the two.
             drafts = logits.max(-1).indices
         else:
             # Draft k is checked against the target's sample in verify row k - 1: pick it with that
@@ -159,8 +159,8 @@ class DFlashDrafter:
 
 def resolve_draft_dtype(draft_dtype: str, device: torch.device | str) -> str:
     """`draft_dtype` (DRAFT_DTYPES) with "auto" resolved: int8 on the CPU, where a draft step is
-    bound by the bytes it reads (`make e2e`, the shipped drafter: every tau within +-0.04 of bf16's,
-    0.4-1.5 ms less drafting a step), bfloat16 elsewhere (int8 weights run only in the CPU kernel)."""
+    bound by the bytes it reads and int8 weights halve them (drafts only propose: the output
+    cannot change), bfloat16 elsewhere (int8 weights run only in the CPU kernel)."""
     if draft_dtype not in DRAFT_DTYPES:
         raise ValueError(f"draft dtype {draft_dtype!r}: expected one of {', '.join(DRAFT_DTYPES)}")
     if draft_dtype == "auto":

@@ -6,15 +6,16 @@ row (argmax at temperature 0, else the Gumbel-max sample) and accepts the longes
 prefix plus one bonus token. At temperature > 0 the drafter gets the noise keys of the coming
 verify (`DraftSampling`), so it can draft with the noise the target will sample with. Requests
 finish independently (stop token or max_new_tokens). With `adaptive=True`, B is a maximum and each
-step's block size is chosen by a `BlockSizeController` (block_size.py). With a `tree_budget`, each
-step verifies a tree of drafts instead of a chain (tree.py): the drafter's `tree_topk` best tokens
-at each of the first min(B - 1, tree_budget) positions (a tree of n nodes is at most n deep, so it
-drafts a block of at most n + 1, as the served worker does), grown best first to `tree_budget`
-nodes or, greedy, to the first less likely than `tree_min_prob` (the served worker's trees always
-fill their budget: SGLang's step buffers hold a block of budget + 1), all checked in one target pass
-by `verify_tree`, which commits the longest path the target agrees with. With both, each step is
-a chain of the chosen size or a tree of budget tree_budget, / 2 or / 4, whichever is expected
-to commit the most tokens per second (`ChainOrTreeController`, chain_or_tree.py).
+step's block size is chosen by a `BlockSizeController` (control/block_size.py). With a
+`tree_budget`, each step verifies a tree of drafts instead of a chain (control/tree.py): the
+drafter's `tree_topk` best tokens at each of the first min(B - 1, tree_budget) positions (a tree
+of n nodes is at most n deep, so it drafts a block of at most n + 1, as the served worker does),
+grown best first to `tree_budget` nodes or, greedy, to the first less likely than
+`tree_min_prob` (the served worker's trees always fill their budget: SGLang's step buffers hold a
+block of budget + 1), all checked in one target pass by `verify_tree`, which commits the longest
+path the target agrees with. With both, each step is a chain of the chosen size or a tree of
+budget tree_budget, / 2 or / 4, whichever is expected to commit the most tokens per second
+(`ChainOrTreeController`, control/chain_or_tree.py).
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ class GenerationResult:
     stats: RequestStats
     text: str | None = None
     # With an adaptive block size, one entry per verify step: the block size and why the controller
-    # chose it (its expected tokens and step times per size, block_size.py); for a drafting chain
-    # step also the positions drafted and the rows verified (verify_length).
+    # chose it (its expected tokens and step times per size, control/block_size.py); for a drafting
+    # chain step also the positions drafted and the rows verified (verify_length).
     decisions: list[dict] = dataclasses.field(default_factory=list)
     # With a tree budget, one entry per verify step: the tree's nodes and the accepted path (node
     # indices, root first).
@@ -181,8 +182,8 @@ class Generator:
     An adaptive generator keeps what it learned about step times and acceptance across calls.
     `tree_budget` > 0: verify trees of up to that many drafted nodes, `tree_topk` choices per
     position, at most block_size - 1 deep, greedy ones without the nodes of a path probability
-    below `tree_min_prob` (tree.py), instead of chains; with `adaptive`, such trees of at most that
-    many nodes or chains, step by step."""
+    below `tree_min_prob` (control/tree.py), instead of chains; with `adaptive`, such trees of at
+    most that many nodes or chains, step by step."""
 
     def __init__(self, target: HFTarget, drafter, block_size: int, adaptive: bool = False, tree_budget: int = 0,
                  tree_topk: int = DEFAULT_TREE_TOPK, tree_min_prob: float = DEFAULT_TREE_MIN_PROB):
@@ -312,7 +313,7 @@ class Generator:
                 drafted = block if self.controller is None else self.controller.chains.draft_size(block)
                 if self.controller is not None and drafted > 2:
                     # Draft one position more than the chosen block, verify what the drafts'
-                    # confidences say pays (block_size.py, draft_size and verify_length).
+                    # confidences say pays (control/block_size.py, draft_size and verify_length).
                     drafts, confidence = drafter.propose(active, anchors, start_t, drafted, sampling, confidence=True)
                     confidences = confidence.tolist()
                     block = self.controller.chains.verify_length(len(active), confidences, step_states)

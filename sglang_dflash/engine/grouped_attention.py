@@ -3,15 +3,15 @@ never copies the KV cache.
 
 HF's "sdpa" path repeats every KV head `group` times (`repeat_kv`) before calling SDPA whenever an
 attention mask is present, i.e. on every padded or cached step: on CPU that copy is most of a
-decode step (SmolLM2 at batch 128: ~70% of the time). Here the `group` query heads that share a
-KV head are folded into the query-row dimension instead, [bs, Hkv, group * q, D], and the mask is
-repeated over those rows, so SDPA reads each KV head once. Same math, same results.
+decode step at large batches. Here the `group` query heads that share a KV head are folded into
+the query-row dimension instead, [bs, Hkv, group * q, D], and the mask is repeated over those
+rows, so SDPA reads each KV head once. Same math, same results.
 
 HF builds one boolean mask per forward and hands that same tensor to every layer. Repeating it over
 the group (a copy) and SDPA's own bool-to-additive conversion (a `where`) then ran once per layer:
-~60 small ops a verify step, ~1.5 ms of SmolLM2's ~45 ms on CPU, paid by every speculative step and
-not by plain decoding, which needs no mask. The prepared additive mask is kept for the next layer
-and reused while it is the same mask tensor, unchanged, for the same group, length and dtype.
+small ops every speculative step paid and plain decoding, which needs no mask, did not. The
+prepared additive mask is kept for the next layer and reused while it is the same mask tensor,
+unchanged, for the same group, length and dtype.
 
 Decode and verify steps (`kernel_step`, set by the target adapter around its forward) run our
 `block_attention` kernel instead, reading the cache where it lies: SDPA's result for a query row

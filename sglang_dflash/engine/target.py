@@ -217,7 +217,7 @@ class HFTarget:
         shorter view. Otherwise the rejected columns stay where they are, masked out of every later
         attention (their columns are invalid), until MAX_DEAD_COLUMNS pile up or rows are dropped:
         then one compaction re-aligns the rows and removes them all (a gather per layer and K/V
-        tensor, ~1.3 ms of a SmolLM2 step on 2 cores, so not every step)."""
+        tensor, too dear for every step)."""
         width = self._valid.shape[1]
         drop = self._block - keep
         if rows is None and bool((drop == drop[0]).all()):

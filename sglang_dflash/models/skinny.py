@@ -48,9 +48,9 @@ def batch_invariant():
 
 
 def _few_enough_rows(x: torch.Tensor) -> bool:
-    # torch's CPU fp16 GEMM (no fp16 arithmetic on AVX2) is slower than skinny_linear at every row
-    # count bench/bench_ops.py measures: 1.1-1.3x at 1 row, 2.7-3.8x at 4-32 rows (SmolLM2's MLP
-    # shapes), so fp16 always takes the kernel.
+    # fp16 always takes the kernel: torch's CPU fp16 GEMM has no fp16 arithmetic on AVX2 and is
+    # behind skinny_linear at the row counts of decode and verify steps (SmolLM2's shapes in
+    # bench/results/cpu_ops.json; at 32 rows there the kernel is the slower).
     return (x.dtype == torch.float16 or x.numel() <= MAX_ROWS * x.shape[-1]
             or getattr(_scope, "batch_invariant", False))
 
@@ -95,9 +95,9 @@ def _vnni() -> bool:
 def w8a8_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  weight_scale: torch.Tensor | None = None) -> bool:
     """Whether an int8 weight takes `w8a8_linear` (activations quantized per row too): where
-    skinny_linear would take it and the CPU has AVX512-VNNI (or AMX-INT8), on which it runs
-    1.6-2.3x faster at the drafter's shapes (bench/bench_ops.py). Without VNNI its portable loops
-    would be slower than skinny_linear's fp32 path, which the weight keeps there."""
+    skinny_linear would take it and the CPU has AVX512-VNNI (or AMX-INT8), where it is the faster
+    of the two at the drafter's shapes (bench/results/cpu_ops.json). Without VNNI its portable
+    loops would be slower than skinny_linear's fp32 path, which the weight keeps there."""
     return (weight_scale is not None and skinny_applies(x, weight, bias, weight_scale)
             and x.shape[-1] <= W8A8_MAX_K and _vnni() and runs_ours("w8a8_linear", "cpu"))
 

@@ -1,10 +1,11 @@
 """Adaptive block size in the served DFLASH worker: each decode step picks its block size.
 
-The choice is the engine's (`sglang_dflash.control.block_size.BlockSizeController`): per batch
+The choice is the one the engine makes too (`control.block_size.BlockSizeController`): per batch
 size, the block size b (1 = a plain target step) with the most expected tokens per second, from
 live per-position acceptance and measured step times; with draft trees on (trees.py), chain or
-tree as `ChainOrTreeController` chooses (a tree of n nodes runs at block size n + 1). This module
-only makes SGLang's worker run a step at a size other than the one it was built for.
+tree as `control.chain_or_tree.ChainOrTreeController` chooses (a tree of n nodes runs at block
+size n + 1). This module only makes SGLang's worker run a step at a size other than the one it was
+built for.
 
 `DFlashWorkerV2` sizes its draft-block buffers, block position offsets, the draft forward's spec
 info and its accept buffers by `block_size` once; every step then reads them through `self`.

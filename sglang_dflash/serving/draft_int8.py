@@ -2,11 +2,11 @@
 
 A CPU draft step pushes a few rows through the draft layers and the draft LM head, so it is bound
 by reading their weights (`skinny_linear`); with one int8 value per weight and one fp32 scale per
-row (`models.skinny.quantize_rows`) it reads about half of what fp16 or bf16 weights cost. In the
-engine the same change kept tau within +-0.02 and cut 0.2-0.6 ms of a ~4 ms draft step
-(bench_e2e, the shipped drafter). On CPUs with AVX512-VNNI the int8 layers quantize their
-activations per row too and run `w8a8_linear` (where its self-test passed): with fp32 arithmetic
-the int8 weights' conversions and FMAs, not their bytes, bound a draft step of several rows.
+row (`models.skinny.quantize_rows`) it reads about half of what fp16 or bf16 weights cost (the
+engine's `--draft-dtype int8`, its default on the CPU, is the same change). On CPUs with
+AVX512-VNNI the int8 layers quantize their activations per row too and run `w8a8_linear` (where
+its self-test passed): with fp32 arithmetic the int8 weights' conversions and FMAs, not their
+bytes, bound a draft step of several rows.
 
 `quantize_draft_linears(worker)`, on the CPU with `SGLANG_DFLASH_DRAFT_INT8` not 0, after
 skinny_linear passed its self-test:

@@ -1,10 +1,10 @@
 """The served drafter's norms on the CPU through `rms_norm_rope`: one op where SGLang runs ~12-30.
 
 A DFLASH draft step on the CPU pushes a few rows through 3-5 small layers, so its time goes to the
-number of torch ops more than to arithmetic (the engine's draft forward went from ~840 to ~320 ops
-with this op, README). On a CPU without AMX, SGLang's draft layers run each RMSNorm as ~12 torch
-ops (`RMSNorm.forward_native`: fp32 cast, residual add, pow, mean, rsqrt, weight, casts) and each
-attention's q / k norm + RoPE as ~30 (`apply_qk_norm`, then `RotaryEmbedding.forward_native`).
+number of torch ops more than to arithmetic. On a CPU without AMX, SGLang's draft layers run each
+RMSNorm as ~12 torch ops (`RMSNorm.forward_native`: fp32 cast, residual add, pow, mean, rsqrt,
+weight, casts) and each attention's q / k norm + RoPE as ~30 (`apply_qk_norm`, then
+`RotaryEmbedding.forward_native`).
 
 `install_draft_norms(worker)` wraps, per instance and only in the drafter (the target keeps
 SGLang's modules, so plain and verify numerics are untouched), on the CPU:

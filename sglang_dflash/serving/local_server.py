@@ -36,8 +36,8 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 # connect() or bind(0) lands, and off SGLang's own pick for its NCCL/gloo port (22000-29999). A
 # port from bind(0) was free when picked, but the server binds it only after loading its model,
 # tens of seconds later, and meanwhile any client connection (our readiness polls of another
-# server included) may take it as its local port: a CI run lost a server to "address already in
-# use" so.
+# server included) may take it as its local port, and the server then fails with "address already
+# in use".
 SERVER_PORTS = range(10000, 22000)
 
 

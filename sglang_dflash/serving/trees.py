@@ -1,8 +1,8 @@
 """Draft trees in the served DFLASH worker: a decode step that verifies a tree instead of a chain.
 
 With `SGLANG_DFLASH_TREE_BUDGET=n` a decode step may verify a tree of n drafted nodes
-(control/tree.py: the drafter's `SGLANG_DFLASH_TREE_TOPK` best tokens per block position, grown best
-first) instead of a chain; unset, trees of up to `engine.tree.DEFAULT_TREE_BUDGET` nodes cut to
+(control/tree.py: the drafter's `SGLANG_DFLASH_TREE_TOPK` best tokens per block position, grown
+best first) instead of a chain; unset, trees of up to `control.tree.DEFAULT_TREE_BUDGET` nodes cut to
 the block's B - 1 where the block size adapts (on CPU), none where it is pinned; 0 turns them off.
 It runs inside SGLang's own chain step at block size n + 1, so SGLang's buffers, KV slot
 reservation and commit stay as they are; what changes:
@@ -25,8 +25,8 @@ Every tree step is a lossless verify: greedy output equals plain decoding, seede
 seeded plain sampling (verify_tree keys a node's sample by its output position). A step whose
 batch needs what a tree does not provide (grammar, sampling masks) runs a chain. With the
 adaptive block size on (adaptive.py) each step is a chain or a tree of n, n/2 or n/4 nodes,
-whichever the engine's `ChainOrTreeController` expects to commit most per second; without it every
-eligible step is a tree of n. CPU only: where the target's attention is not our kernel, a tree
+whichever `control.chain_or_tree.ChainOrTreeController` expects to commit most per second; without
+it every eligible step is a tree of n. CPU only: where the target's attention is not our kernel, a tree
 would be verified with a chain's mask, so the worker refuses the setting there (`tree_problem`)
 and `accept` checks that every target layer applied the tree.
 """

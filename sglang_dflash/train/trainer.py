@@ -292,7 +292,7 @@ def plot_history(history: list[dict], path: Path) -> None:
         style = dict(marker="o", color=f"C{i + 1}", label=f"held-out {name}".strip())  # C0: the train loss
         ax_loss.plot([h["step"] for h in points], [h["held_out_loss"] for h in points], **style)
         ax_tau.plot([h["step"] for h in points], [h["tau"] for h in points], **style)
-    ax_loss.set(xlabel="step", ylabel="weighted CE", title="loss", yscale="log")  # the first steps are ~10x the rest
+    ax_loss.set(xlabel="step", ylabel="weighted CE", title="loss", yscale="log")  # early loss dwarfs the rest
     ax_loss.legend()
     ax_tau.set(xlabel="step", ylabel="tokens per verify step", title="held-out tau (teacher-forced)")
     if evals:
