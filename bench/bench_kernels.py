@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from bench.provenance import run_info
 from sglang_dflash import ops
 from sglang_dflash._extension import has_cuda_kernels
-from sglang_dflash.ops import reference
+from sglang_dflash.ops import reference, variants
 from sglang_dflash.ops.testing import make_tree
 
 ATTN_SHAPE = dict(hq=32, hkv=8, head_dim=128, block=16)  # Qwen3-8B's draft
@@ -217,6 +217,12 @@ def case_record(shape: dict, nbytes: int, ours: dict, baselines: dict[str, dict]
         record["hbm_fraction_spec"] = nbytes / seconds / spec_bw if spec_bw else None
         record["speedup"] = {name: r["median_ms"] / ours["median_ms"] for name, r in baselines.items()
                              if "median_ms" in r}  # fmt: skip
+    swept = ours.get("variants", {})
+    record["failures"] += [f"variant {name}: {r['error']}" for name, r in swept.items() if "error" in r]
+    timed = {name: r["median_ms"] for name, r in swept.items() if "median_ms" in r}
+    if timed:
+        record["best_variant"] = min(timed, key=timed.get)
+        record["variant_hbm_fraction"] = {name: nbytes / (ms * 1e-3) / bw for name, ms in timed.items()}
     return record
 
 
@@ -624,6 +630,19 @@ class Bench:
     result: dict
     device: torch.device = torch.device("cuda")
     timer: Callable = time_calls
+    sweep_variants: bool = False
+
+    def measure_ours(self, op: str, fn: Callable, sets: Sequence[tuple], check: Callable | None) -> dict:
+        """Our op measured as shipped; with `sweep_variants`, also under each compiled kernel variant of
+        `op` (variants.using_variant), each checked like the shipped one, in "variants"."""
+        entry = self.measure(fn, sets, check)
+        if self.sweep_variants:
+            swept = {}
+            for name in variants.kernel_variants(op):
+                with variants.using_variant(op, name):
+                    swept[name] = self.measure(fn, sets, check)
+            entry["variants"] = swept
+        return entry
 
     def measure(self, fn: Callable, sets: Sequence[tuple], check: Callable | None = None, **info) -> dict:
         """fn checked on sets[0] (check(output) -> (detail, passed)) and then timed; or, when the check
@@ -696,7 +715,7 @@ def add_verify_case(bench: Bench, shape: dict, nbytes: int, sets: list, ours: Ca
                     baselines: dict[str, tuple[Callable, Callable | None]]) -> None:
     """Ours (checked after the device's error record) and each (baseline, check) measured on `sets`,
     kept as one case."""
-    ours_entry = bench.measure(ours, sets, after_device_errors(ours_check))
+    ours_entry = bench.measure_ours("verify_block", ours, sets, after_device_errors(ours_check))
     measured = {name: bench.measure(fn, sets, check) for name, (fn, check) in baselines.items()}
     bench.add(case_record(shape, nbytes, ours_entry, measured, bench.bw, bench.spec_bw,
                           rotation_sets=len(sets)))
@@ -841,7 +860,7 @@ def bench_attention(bench: Bench, cases: Sequence[tuple[int, int]], shape: dict 
             return ops.block_attention(*args[:8], block, scale, tree_parents=args[8] if tree else None)
 
         ref = reference.block_attention(*sets[0][:8], block, scale, tree_parents=sets[0][8] if tree else None)
-        ours_entry = bench.measure(ours, sets, after_device_errors(attention_check(ref)))
+        ours_entry = bench.measure_ours("block_attention", ours, sets, after_device_errors(attention_check(ref)))
         baselines = {}
         try:
             backend = pick_sdpa_backend(*dense_sets[0][:3], scale, *dense_sets[0][3:])
@@ -873,7 +892,7 @@ def start(args) -> Bench:
     except OSError as exc:  # no git on the GPU machine
         provenance = {"error": repr(exc)}
     result = dict(
-        benchmark="bench/bench_kernels.py", quick=args.quick, provenance=provenance,
+        benchmark="bench/bench_kernels.py", quick=args.quick, variants=args.variants, provenance=provenance,
         # gpu_check.sh passes the commit: the GPU machine's copy of the tree may have no .git.
         commit=os.environ.get("SGLANG_DFLASH_COMMIT") or provenance.get("git", {}).get("commit"),
         device={**device_info(props), "nvidia_smi_start": nvidia_smi(props)},
@@ -899,6 +918,26 @@ def start(args) -> Bench:
     return bench
 
 
+def variant_table(cases: Sequence[dict]) -> str:
+    """Per swept case: each variant's median time and fraction of HBM bandwidth, the best marked, and
+    the shape class its choice goes to in sglang_dflash/ops/variants.py's TUNED table."""
+    lines = []
+    for case in cases:
+        swept = case["ours"].get("variants")
+        if not swept:
+            continue
+        batch = case["bs"] if case["op"] == "block_attention" else case["bs"] * case.get("block", VERIFY_BLOCK)
+        lines.append(f"{case['op']} {case_label(case)} (shape class {variants.shape_class(case['op'], batch=batch)}):")
+        for name, r in swept.items():
+            mark = " <- best" if name == case.get("best_variant") else ""
+            if "median_ms" in r:
+                lines.append(f"  {name:24s} {r['median_ms']:9.4f} ms  hbm "
+                             f"{case['variant_hbm_fraction'][name]:.2f}{mark}")
+            else:
+                lines.append(f"  {name:24s} {r['error'][:80]}")
+    return "\n".join(lines)
+
+
 def finish(bench: Bench) -> int:
     """Goals, failures and the end clocks into the JSON; the goal table; exit status 1 on any failure."""
     result = bench.result
@@ -908,6 +947,8 @@ def finish(bench: Bench) -> int:
     result["complete"] = True
     bench.write()
     print("\n" + goal_table(result["goals"]))
+    if bench.sweep_variants:
+        print("\nKernel variants:\n" + variant_table(result["cases"]))
     print(f"\n{len(result['failures'])} failures; wrote {bench.out}")
     return 1 if result["failures"] else 0
 
@@ -919,6 +960,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-verify", action="store_true")
     parser.add_argument("--skip-trees", action="store_true", help="no tree-mode attention or verify_tree cases")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time our ops under every compiled kernel variant (sglang_dflash.ops.variants)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit(NO_CUDA.format(torch=torch.__version__, cuda=torch.version.cuda))
@@ -927,6 +970,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "or SGLANG_DFLASH_CUDA=1)")  # fmt: skip
 
     bench = start(args)
+    bench.sweep_variants = args.variants
     # Verify first: it is the shorter half, and the attention grid's largest cases come last.
     if not args.skip_verify:
         bench_verify(bench, verify_cases(args.quick))

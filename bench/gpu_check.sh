@@ -5,32 +5,45 @@
 #   bash bench/gpu_check.sh OUT_DIR            (OUT_DIR: default $OUT, then ./out)
 #
 # Stages, in this order, each time-boxed, each recording its result in OUT_DIR before the next one
-# starts (a run killed midway still returns what it did):
-#   env          GPU, clocks, driver, kernel, torch / CUDA / Triton / nvcc / pytest versions, cores
-#   build        the extension rebuilt in place (sglang_dflash/_C*.so) with its CUDA kernels for sm_90
-#                only (MAX_JOBS = cores); when that fails, each .cu alone
-#                (scripts/check_device_build.py --installed-torch) for its own first errors; then
-#                tests/test_packaging.py (the build links torch's libstdc++.so and raises errors cleanly)
-#   smoke        bench/gpu_smoke.py: each op in its own process, CUDA_LAUNCH_BLOCKING=1, max error vs
-#                the pure-PyTorch reference on the CPU
-#   tests        the cuda-marked tests (CUDA_TEST_FILES; the engine's, ENGINE_TEST_FILES), one pytest process per
-#                op family and one for the engine side by side, a time limit
-#                per test (pytest-timeout), one xdist worker each (a test that crashes it is reported as
-#                failed and the rest still run) and a JUnit XML each
-#   memcheck     compute-sanitizer memcheck over bench/sanitize_kernels.py, our kernels only
-#   bench-quick  bench/bench_kernels.py --quick
-#   racecheck    compute-sanitizer racecheck, our kernels only
-#   profile      Nsight Compute on one warm block_attention call (bench/profile_block_attention.py)
-#   bench        the full kernel benchmark with the time left (its JSON grows case by case)
-# Files in OUT_DIR (6; the device tool returns at most 8):
-#   summary.json             per stage: status (passed / failed / timeout / skipped: cannot run here /
-#                            cut: budget spent), seconds, limit, note; the environment; the commit
-#   logs.tar.gz              every stage's log, env.json and the stage table
-#   junit.tar.gz             the test families' JUnit XML
-#   smoke.json, bench_kernels_quick.json, bench_kernels.json
-# GPU_CHECK_BUDGET_S caps the whole run (default 480 s): a stage starts only when its minimum fits
-# in what is left and is stopped at its own limit or the budget's end. Exit status 0 when a GPU was
-# there and no stage failed or timed out (the last benchmark may run into the budget's end).
+# starts (a run killed midway still returns what it did). The GPU stages run when a GPU is there and
+# the built extension registers its CUDA kernels (has_cuda_kernels()), whatever else failed:
+#   env           GPU, clocks, driver, kernel, torch / CUDA / Triton / nvcc / pytest versions, cores
+#   build         the extension rebuilt in place (sglang_dflash/_C*.so) with its CUDA kernels for sm_90
+#                 only (MAX_JOBS = cores); when that fails, each .cu alone
+#                 (scripts/check_device_build.py --installed-torch) for its own first errors
+#   packaging     tests/test_packaging.py: the build links torch's libstdc++.so and raises cleanly
+#   index-errors  the cuda cases of tests/test_ops_index_errors.py and tests/test_ops_error_watch.py:
+#                 a kernel's bad index raised with the CPU's text (numbers formatted in the message,
+#                 which a private libstdc++ crashed on) and read through the per-step snapshot
+#   smoke         bench/gpu/smoke.py: each op in its own process, CUDA_LAUNCH_BLOCKING=1, max error vs
+#                 the pure-PyTorch reference on the CPU
+#   tests         the cuda-marked op tests (CUDA_TEST_FILES; every kernel variant against the reference),
+#                 one pytest process per op family, a time limit per test (pytest-timeout), one xdist
+#                 worker each (a test that crashes it is reported as failed and the rest still run)
+#                 and a JUnit XML each
+#   engine        the engine on the GPU: tests/test_engine_devices.py's cuda cases (chains, trees,
+#                 adaptive against plain decoding), then bench/bench_engine.py on SmolLM2-135M's
+#                 architecture with random weights (its GGUF cannot travel) and the shipped drafter:
+#                 greedy identical to plain, tok/s against plain in the same run
+#   memcheck      compute-sanitizer memcheck over bench/gpu/sanitize_kernels.py, our kernels only
+#   sweep         bench/bench_kernels.py --variants: every compiled kernel variant timed on the
+#                 benchmark's shapes, a table per shape class (the data to pick sglang_dflash/ops/
+#                 variants.py's TUNED entries from, without another GPU run)
+#   profile       Nsight Compute on one warm block_attention call and one top-k/top-p verify_block
+#                 call (bench/gpu/profile_kernels.py)
+#   racecheck     compute-sanitizer racecheck, our kernels only
+#   bench         the full kernel benchmark with the time left (its JSON grows case by case)
+# Files in OUT_DIR (7; the device tool returns at most 8):
+#   summary.json                per stage: status (passed / failed / timeout / skipped: cannot run here
+#                               / cut: budget spent), seconds, limit, note; the environment; the commit
+#   logs.tar.gz                 every stage's log (the profiles too), env.json and the stage table
+#   junit.tar.gz                the test stages' JUnit XML
+#   smoke.json, engine_gpu.json, bench_kernels_variants.json, bench_kernels.json
+# GPU_CHECK_BUDGET_S caps the whole run (default 420 s, so one 10-minute call has room for a rerun of
+# a stage): a stage starts only when its minimum fits in what is left and is stopped at its own limit
+# or the budget's end. Rerunning it on the same machine rebuilds incrementally and overwrites OUT_DIR.
+# Exit status 0 when a GPU was there and no stage failed or timed out (the last benchmark may run into
+# the budget's end).
 # PYTHON picks the interpreter (default python3); SGLANG_DFLASH_COMMIT names the commit where the
 # copy has no .git.
 # shellcheck disable=SC2329  # the stage functions are called by name: "stage_$NAME"
@@ -87,21 +100,24 @@ stage_build() {
     "$PY" scripts/check_device_build.py --installed-torch --arch 90
     return 1
   fi
-  "$PY" -c "from sglang_dflash._extension import has_cuda_kernels as h; assert h(), 'no CUDA kernels registered'" || return 1
-  # The build links torch's libstdc++.so and raises errors cleanly (a private libstdc++ segfaulted here).
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_packaging.py || { echo "NOTE: tests/test_packaging.py failed"; return 1; }
+}
+
+stage_packaging() {
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_packaging.py
+}
+
+stage_index_errors() {
+  mkdir -p "$LOGS/junit"
+  "$PY" -m pytest -v -rs -m cuda -p no:cacheprovider --junitxml="$LOGS/junit/index-errors.xml" \
+    tests/test_ops_index_errors.py tests/test_ops_error_watch.py
 }
 
 stage_smoke() {
-  "$PY" bench/gpu_smoke.py --out "$OUT_DIR/smoke.json" --timeout 50
+  "$PY" -m bench.gpu.smoke --out "$OUT_DIR/smoke.json" --timeout 50
 }
 
-# Every file with `cuda`-marked op cases (the exactness and index-error files also run on CPU in CI).
-CUDA_TEST_FILES=(tests/test_cuda_ops.py tests/test_ops_exactness.py tests/test_ops_index_errors.py)
-# The engine end to end on the GPU (chains, trees, adaptive; greedy and seeded sampling against
-# plain decoding), in a process and file list of its own: what it imports (transformers) cannot
-# fail the op families' collection.
-ENGINE_TEST_FILES=(tests/test_engine_devices.py)
+# Every file with `cuda`-marked op cases (most also run their CPU cases in CI).
+CUDA_TEST_FILES=(tests/test_cuda_*.py tests/test_ops_exactness.py)
 
 stage_tests() {
   local timeout_opt=() worker_opt=()
@@ -118,17 +134,14 @@ stage_tests() {
   else
     echo "NOTE: pytest-xdist missing: a crashing test ends its family's run"
   fi
-  # One process per op family, and one for the engine: a kernel fault ends one family's process,
-  # not the others'.
-  local names=(block_attention verify gumbel_argmax materialize_context_kv other engine)
+  # One process per op family: a kernel fault ends one family's process, not the others'.
+  local names=(block_attention verify gumbel_argmax materialize_context_kv other)
   local exprs=(block_attention verify gumbel_argmax materialize_context_kv
-    "not (block_attention or verify or gumbel_argmax or materialize_context_kv)" "")
+    "not (block_attention or verify or gumbel_argmax or materialize_context_kv)")
   local threads=$(($(nproc) / ${#names[@]})) pids=() failed=() i rc files
   mkdir -p "$LOGS/junit"
   for i in "${!names[@]}"; do
-    files=("${CUDA_TEST_FILES[@]}")
-    [[ ${names[i]} == engine ]] && files=("${ENGINE_TEST_FILES[@]}")
-    OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) "$PY" -m pytest -v -rs -m cuda "${files[@]}" \
+    OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) "$PY" -m pytest -v -rs -m cuda "${CUDA_TEST_FILES[@]}" \
       ${exprs[i]:+-k "${exprs[i]}"} -p no:cacheprovider --junitxml="$LOGS/junit/${names[i]}.xml" \
       "${timeout_opt[@]}" "${worker_opt[@]}" >"$LOGS/tests-${names[i]}.log" 2>&1 &
     pids+=($!)
@@ -145,7 +158,18 @@ stage_tests() {
   fi
 }
 
-# sanitize TOOL ARGS...: compute-sanitizer TOOL over bench/sanitize_kernels.py, checking only our
+stage_engine() {
+  local rc=0
+  mkdir -p "$LOGS/junit"
+  "$PY" -m pytest -v -rs -m cuda -p no:cacheprovider --junitxml="$LOGS/junit/engine.xml" \
+    tests/test_engine_devices.py || { echo "NOTE: engine tests failed"; rc=1; }
+  "$PY" -m bench.bench_engine --random-target bench/gpu/smollm2-135m-config.json --device cuda \
+    --draft smollm2-135m-dflash-b8 --batch-sizes 1,8 --block-sizes 4,8 --out "$OUT_DIR/engine_gpu.json" ||
+    { echo "NOTE: bench_engine failed"; rc=1; }
+  return "$rc"
+}
+
+# sanitize TOOL ARGS...: compute-sanitizer TOOL over bench/gpu/sanitize_kernels.py, checking only our
 # kernels (mangled names hold the namespace sglang_dflash): much faster than instrumenting torch's.
 sanitize() {
   local san
@@ -155,7 +179,7 @@ sanitize() {
     return 3
   fi
   "$san" --tool "$1" --kernel-name kns=sglang_dflash --error-exitcode 9 --print-limit 20 \
-    "$PY" bench/sanitize_kernels.py "${@:2}"
+    "$PY" -m bench.gpu.sanitize_kernels "${@:2}"
   local rc=$?
   if grep -q "Device not supported" "$LOGS/$STAGE.log"; then  # seen under gVisor
     echo "NOTE: compute-sanitizer does not support this device here"
@@ -175,26 +199,33 @@ stage_racecheck() {
   sanitize racecheck --small
 }
 
-# Nsight Compute's counters for one warm block_attention call (the kernel the first GPU run found
-# slow): DRAM throughput, occupancy and its limiter, warp stall reasons; the report is profile.log.
+# Nsight Compute's counters for one warm call of each kernel the first GPU run found slow:
+# block_attention (every variant's kernel name holds "block_attention") and the sampled verify
+# kernel at top-k/top-p: DRAM throughput, occupancy and its limiter, warp stall reasons.
 stage_profile() {
-  local ncu
+  local ncu rc=0
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   if [ ! -x "$ncu" ]; then
     echo "NOTE: ncu not found"
     return 3
   fi
-  "$ncu" --clock-control none --kernel-name regex:block_attention_mma --launch-skip 2 --launch-count 1 \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis "$PY" bench/profile_block_attention.py
+  local sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+    --section MemoryWorkloadAnalysis)
+  echo "== block_attention"
+  "$ncu" --clock-control none --kernel-name regex:block_attention --launch-skip 2 --launch-count 1 "${sections[@]}" \
+    "$PY" -m bench.gpu.profile_kernels --op block_attention || rc=1
+  echo "== verify_block, top-k / top-p"
+  "$ncu" --clock-control none --kernel-name regex:sample --launch-skip 2 --launch-count 1 "${sections[@]}" \
+    "$PY" -m bench.gpu.profile_kernels --op verify_top_k_top_p || rc=1
+  return "$rc"
 }
 
-stage_bench_quick() {
-  "$PY" bench/bench_kernels.py --quick --out "$OUT_DIR/bench_kernels_quick.json"
+stage_sweep() {
+  "$PY" -m bench.bench_kernels --variants --quick --out "$OUT_DIR/bench_kernels_variants.json"
 }
 
 stage_bench() {
-  "$PY" bench/bench_kernels.py --out "$OUT_DIR/bench_kernels.json"
+  "$PY" -m bench.bench_kernels --out "$OUT_DIR/bench_kernels.json"
 }
 
 if [ "${1:-}" = --stage ]; then
@@ -215,7 +246,7 @@ LOGS=$WORK/logs  # outside OUT_DIR: only the tarballs come back, so the file lim
 mkdir -p "$LOGS"
 : >"$LOGS/stages.tsv"
 PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET_S:-480}
+BUDGET=${GPU_CHECK_BUDGET_S:-420}
 RESERVE=5 # seconds kept for the last summary and tarballs
 START=$SECONDS
 STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
@@ -258,7 +289,7 @@ EOF
 save_outputs() {
   write_summary "$1"
   tar -czf "$WORK/logs.tar.gz" -C "$LOGS" --exclude=./junit . && mv -f "$WORK/logs.tar.gz" "$OUT_DIR/"
-  if [ -d "$LOGS/junit" ]; then
+  if [ -n "$(ls -A "$LOGS/junit" 2>/dev/null)" ]; then
     tar -czf "$WORK/junit.tar.gz" -C "$LOGS" junit && mv -f "$WORK/junit.tar.gz" "$OUT_DIR/"
   fi
 }
@@ -270,16 +301,16 @@ record() {
   save_outputs false
 }
 
-# run_stage NAME MIN_S LIMIT_S [gpu]: the stage within its limit and the budget left; "gpu" stages
-# need a GPU and a passed build.
+# run_stage NAME MIN_S LIMIT_S [built|gpu]: the stage within its limit and the budget left; "built"
+# stages need an extension with CUDA kernels, "gpu" stages a GPU too.
 run_stage() {
   local name=$1 min=$2 limit=$3 needs=${4:-}
   if [ "$needs" = gpu ] && ((!HAS_GPU)); then
     record "$name" skipped 0 "$limit" "no GPU (see environment)"
     return 1
   fi
-  if [ "$needs" = gpu ] && ((!BUILT)); then
-    record "$name" skipped 0 "$limit" "the build did not pass"
+  if [ -n "$needs" ] && ((!BUILT)); then
+    record "$name" skipped 0 "$limit" "the extension has no CUDA kernels (see build)"
     return 1
   fi
   local left=$((BUDGET - RESERVE - (SECONDS - START)))
@@ -314,13 +345,18 @@ echo "gpu_check: commit $COMMIT, budget $BUDGET s, results in $OUT_DIR, logs in 
 run_stage env 0 30
 grep -q '"cuda_available": true' "$LOGS/env.json" 2>/dev/null && HAS_GPU=1
 # Without a GPU the build still says whether the CUDA sources build here.
-run_stage build 60 240 && BUILT=1
+run_stage build 60 180
+"$PY" -c "from sglang_dflash._extension import has_cuda_kernels as h; raise SystemExit(0 if h() else 1)" \
+  >>"$LOGS/build.log" 2>&1 && BUILT=1
+run_stage packaging 10 60 built
+run_stage index-errors 15 60 gpu
 run_stage smoke 20 60 gpu
 run_stage tests 40 150 gpu
+run_stage engine 30 120 gpu
 run_stage memcheck 30 90 gpu
-run_stage bench-quick 30 60 gpu
-run_stage racecheck 30 60 gpu
+run_stage sweep 30 120 gpu
 run_stage profile 30 90 gpu
+run_stage racecheck 30 60 gpu
 run_stage bench 30 "$BUDGET" gpu
 
 save_outputs true

@@ -406,3 +406,31 @@ def test_time_calls_rotates_sets_through_warmup_and_timing(monkeypatch):
     assert len(used) == 8 and all(a != b for a, b in itertools.pairwise(used))
     stats = bk.time_calls(used.append, [(0,)], 0.0, warmup=0, min_reps=2, max_reps=7, budget_s=60)
     assert stats["reps"] == 7 and stats["host_bound"]
+
+
+def test_variant_sweep_checks_and_times_every_variant_on_the_cpu(tmp_path, capsys):
+    """--variants: each compiled variant of an op is checked against the reference and timed like the
+    shipped op, the fastest is named with the shape class its TUNED entry goes to, and a variant that
+    fails its check is a failure of its case (CPU builds hold "default" alone; a failing variant is
+    simulated by a check that rejects one of them)."""
+    from sglang_dflash.ops import variants
+
+    bench, out = cpu_bench(tmp_path)
+    bench.sweep_variants = True
+    bk.bench_verify(bench, [(3, "greedy")], vocab=1000, block=4)
+    bk.bench_attention(bench, [(2, 40)], shape=dict(hq=4, hkv=2, head_dim=32, block=4))
+    bk.finish(bench)
+    verify, attention = json.loads(out.read_text())["cases"][:2]
+    for case, op in ((verify, "verify_block"), (attention, "block_attention")):
+        assert list(case["ours"]["variants"]) == variants.kernel_variants(op)
+        assert all("median_ms" in r and r["check"] == case["ours"]["check"] for r in case["ours"]["variants"].values())
+        assert case["best_variant"] in case["ours"]["variants"]
+    printed = capsys.readouterr().out
+    assert "Kernel variants:" in printed and "block_attention bs 2 ctx 40 (shape class bs1-8):" in printed
+    assert "verify_block bs 3 greedy (shape class rows1-64):" in printed and "<- best" in printed
+
+    record = bk.case_record(dict(op="block_attention", bs=2, ctx=40), 1000,
+                            {"median_ms": 1.0, "variants": {"default": {"median_ms": 1.0},
+                                                            "k64s3w4": {"error": "check failed: x"}}},
+                            {}, bw=1e10, spec_bw=None)
+    assert record["failures"] == ["variant k64s3w4: check failed: x"] and record["best_variant"] == "default"

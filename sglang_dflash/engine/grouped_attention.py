@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
+from sglang_dflash._extension import has_cuda_kernels
 from sglang_dflash.engine.kv_cache import slot_view, slots_per_row
 from sglang_dflash.ops import block_attention, runs_ours
 
@@ -132,6 +133,14 @@ def _kernel_attention(step: KernelStep, query: torch.Tensor, key: torch.Tensor, 
     return out.view(bs, q, heads, dim)
 
 
+def _kernel_on(device: torch.device) -> bool:
+    """Whether our block_attention kernel (not its reference) serves tensors on `device`: the CPU
+    kernels always ship; the CUDA ones when the extension was built with them."""
+    if device.type == "cuda" and not has_cuda_kernels():
+        return False
+    return device.type in ("cpu", "cuda") and runs_ours("block_attention", device)
+
+
 def grouped_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -140,7 +149,7 @@ def grouped_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: 
     bs, heads, q, dim = query.shape
     step = getattr(_step, "current", None)
     if (step is not None and q == step.block and getattr(module, "sliding_window", None) is None
-            and query.device.type == "cpu" and key.dtype == query.dtype and runs_ours("block_attention", "cpu")):
+            and key.dtype == query.dtype and _kernel_on(query.device)):
         out = _kernel_attention(step, query, key, value, scaling)
         if out is not None:
             return out, None
