@@ -51,7 +51,8 @@ STRICT = Setting(
 DRAFT_ATTENTION = Setting(
     "SGLANG_DFLASH_DRAFT_ATTENTION", bool, None,
     "the draft layers' TARGET_VERIFY attention and context-K/V writes run our kernels; off: SGLang's",
-    default_doc="on on CPU; off on GPU, where our `block_attention` is not yet faster ([gpu](gpu.md))")
+    default_doc="on on CPU; on a GPU, each where the committed kernel benchmark of its GPU class shows it "
+                "faster than SGLang's path (`ops/gpu_defaults.py`, [gpu](gpu.md))")
 ADAPTIVE = Setting(
     "SGLANG_DFLASH_ADAPTIVE", bool, True,
     "each decode step picks its block size B in 1..the server's (`--speculative-dflash-block-size`, else the "

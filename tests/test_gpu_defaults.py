@@ -40,3 +40,24 @@ def test_default_on_says_why():
     assert not on and why == "no committed kernel benchmark of materialize_context_kv on sm90"
     with pytest.raises(ValueError, match="'verify_block' is not a gated GPU op"):
         gpu_defaults.default_on("verify_block", "sm90")
+
+
+def test_the_served_drafter_follows_the_table_unless_the_switch_forces_it(monkeypatch):
+    """serving.attention.gpu_choice on a CUDA device (named only: no GPU here, the device's class is
+    given): the committed verdict by default, SGLANG_DFLASH_DRAFT_ATTENTION=0/1 forcing both ops."""
+    import torch
+
+    from sglang_dflash.ops import variants
+    from sglang_dflash.serving import attention
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(variants, "gpu_class", lambda device: "sm90")
+    monkeypatch.delenv("SGLANG_DFLASH_DRAFT_ATTENTION", raising=False)
+    assert attention.gpu_choice("block_attention", cuda) == gpu_defaults.default_on("block_attention", "sm90")
+    assert not attention.draft_attention_wanted(cuda) and attention.draft_attention_wanted(torch.device("cpu"))
+    monkeypatch.setitem(gpu_defaults.BENCHMARKED_WINS, ("sm90", "block_attention"), (True, "a result"))
+    assert attention.draft_attention_wanted(cuda)
+    monkeypatch.setenv("SGLANG_DFLASH_DRAFT_ATTENTION", "0")
+    assert attention.gpu_choice("block_attention", cuda) == (False, "SGLANG_DFLASH_DRAFT_ATTENTION=0")
+    monkeypatch.setenv("SGLANG_DFLASH_DRAFT_ATTENTION", "1")
+    assert attention.gpu_choice("materialize_context_kv", cuda) == (True, "SGLANG_DFLASH_DRAFT_ATTENTION=1")

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from sglang_dflash import settings
+from sglang_dflash.ops import gpu_defaults, variants
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +155,25 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
     return out.reshape(n_rows, hq * layer.v_head_dim)
 
 
+def gpu_choice(op: str, device) -> tuple[bool, str]:
+    """Whether our `op` (block_attention: the draft attention; materialize_context_kv: the context K/V)
+    serves the drafter on CUDA `device`, and why: `SGLANG_DFLASH_DRAFT_ATTENTION` forces both on or off;
+    unset, each runs where the committed kernel benchmark for the GPU's class shows it faster than
+    SGLang's path (ops/gpu_defaults.py)."""
+    forced = settings.get(settings.DRAFT_ATTENTION)
+    if forced is not None:
+        return forced, f"{settings.DRAFT_ATTENTION.name}={int(forced)}"
+    return gpu_defaults.default_on(op, variants.gpu_class(device))
+
+
 def draft_attention_wanted(device) -> bool:
-    """On CPU by default (`SGLANG_DFLASH_DRAFT_ATTENTION=0` turns it off); on CUDA only with
-    `SGLANG_DFLASH_DRAFT_ATTENTION=1` until it is validated against SGLang's GPU backends."""
+    """On CPU by default (`SGLANG_DFLASH_DRAFT_ATTENTION=0` turns it off); on CUDA as `gpu_choice`
+    decides."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return gpu_choice("block_attention", device)[0]
     wanted = settings.get(settings.DRAFT_ATTENTION)
-    return str(device).startswith("cpu") if wanted is None else wanted
+    return device.type == "cpu" if wanted is None else wanted
 
 
 def _draft_layers(worker) -> list:

@@ -22,7 +22,7 @@ import torch
 from sglang_dflash._extension import has_cuda_kernels
 from sglang_dflash.ops import materialize_context_kv
 from sglang_dflash.ops.self_test import ContextKV
-from sglang_dflash.serving.attention import draft_attention_wanted
+from sglang_dflash.serving.attention import gpu_choice
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,11 @@ def _problem(worker) -> str | None:
 
     device = torch.device(worker.device)
     if device.type == "cuda":
-        if not (has_cuda_kernels() and draft_attention_wanted(device)):
-            return "our CUDA kernels are off for the drafter (SGLANG_DFLASH_DRAFT_ATTENTION=1 turns them on)"
+        if not has_cuda_kernels():
+            return "this build of sglang_dflash has no CUDA kernels"
+        on, why = gpu_choice("materialize_context_kv", device)
+        if not on:
+            return f"our CUDA kernel is off here ({why}; SGLANG_DFLASH_DRAFT_ATTENTION=1 turns it on)"
     elif device.type != "cpu":
         return f"no kernel for device {device}"
     if getattr(worker, "use_compact_draft_cache", False):

@@ -184,6 +184,14 @@ class DFlashKernelWorker(DFlashWorkerV2):
         logger.info("sglang-dflash: speculative algorithm DFLASH runs worker %s.%s (SGLang %s) on %s; "
                     "sglang-dflash kernels run %s", type(self).__module__, type(self).__qualname__,
                     SGLANG_VERSION, device, ", ".join(sorted(self._dflash_ops)) or "nothing")
+        if device.type == "cuda":
+            from sglang_dflash.ops import gpu_defaults
+            from sglang_dflash.serving.attention import gpu_choice
+
+            for op in gpu_defaults.GATED_OPS:
+                on, why = gpu_choice(op, device)
+                state = "runs" if op in self._dflash_ops else "off" if not on else "failed its self-test"
+                logger.info("sglang-dflash: %s on this GPU: %s (%s)", op, state, why)
 
     def _self_test_kernels(self, device: torch.device) -> set[str]:
         """Self-tests each op this worker would run on `device` (ops/self_test.py) and switches on
