@@ -251,7 +251,8 @@ def main() -> int:
         include, os.path.join(include, "torch", "csrc", "api", "include"), sysconfig.get_paths()["include"]]
     arch = f"-gencode=arch=compute_{args.arch},code=sm_{args.arch}"
     command = ["nvcc", *torch_nvcc_flags, *SETUP_NVCC_FLAGS, arch] + [f"-I{d}" for d in include_dirs]
-    sources = [os.path.abspath(s) for s in args.sources] or sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    default_sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    sources = [os.path.abspath(s) for s in args.sources] or default_sources
     if not sources:
         sys.exit("check_device_build: no csrc/cuda/*.cu found")
     nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
