@@ -3,8 +3,9 @@
 SGLANG_DFLASH_CUDA=1 (or TORCH_CUDA_ARCH_LIST set) builds the CUDA kernels too (the build fails if
 it cannot compile them), SGLANG_DFLASH_CUDA=0 leaves them out; unset, they are built when a GPU is
 visible and torch is a CUDA build with nvcc found. TORCH_CUDA_ARCH_LIST picks the GPU architectures
-(default: sm_80, 86, 89, 90, 100 and 120 where this nvcc supports them, with PTX for the newest, so a later GPU JIT-compiles it; a GPU with
-no image fails the start-up self-test and falls back, sglang_dflash/ops/self_test.py).
+(default: sm_80, 86, 89, 90, 100 and 120 where this nvcc supports them, with PTX for the newest, so a
+later GPU JIT-compiles it; a GPU with no image fails the start-up self-test and falls back,
+sglang_dflash/ops/self_test.py).
 SGLANG_DFLASH_DEBUG=1 makes a failed device-side index check print and trap (ending the CUDA context,
 to stop in the faulting kernel under a debugger) instead of recording it for check_device_errors
 (csrc/cuda/device_errors.cu). MAX_JOBS caps the parallel compile jobs (default: all cores).
