@@ -94,10 +94,12 @@ bench-serving: $(INSTALLED)
 	$(PY) -m bench.bench_serving --servers plain plain-plugin dflash-fixed-b4 dflash-fixed-b4-tree3 \
 		dflash-fixed-b8-tree7 dflash dflash-tree4 dflash-tree0 --samples 4 --concurrency 1 4 --temperatures 0 0.7 --time-limit 4000
 
-# 1,000 varied requests and faults against a DFLASH server (needs SGLang), then: nothing lost, no
-# KV slot leaked, greedy equal to a plain server, clean SIGTERM -> bench/results/soak_smollm2-135m.json.
+# SOAK_REQUESTS varied requests and faults against a DFLASH server (needs SGLang), then: nothing lost,
+# no KV slot leaked, flat memory per server process, greedy equal to a plain server, clean SIGTERM ->
+# bench/results/soak_smollm2-135m.json.
+SOAK_REQUESTS ?= 1000
 soak: $(INSTALLED)
-	$(PY) -m bench.soak_serving
+	$(PY) -m bench.soak_serving --requests $(SOAK_REQUESTS)
 
 # On a GPU machine, in <= 8 minutes: environment, CUDA build, smoke test, cuda tests, sanitizers,
 # kernel benchmark -> summary.json, logs.tar.gz, junit.tar.gz, bench_kernels.json in $(GPU_CHECK_OUT).

@@ -20,6 +20,9 @@ Checks, each a line of the report (exit status 1 if any fails):
   - every malformed request got a 4xx answer;
   - after the run no request is left, the KV pool holds no slot (target and draft K/V share it),
     SGLang's own idle leak check stayed silent, resident memory grew by at most --max-rss-growth-mb;
+  - each server process's resident memory, sampled every 250 requests, grew by at most
+    --max-process-growth-mb from request 1,000 to the end and by at most --max-growth-per-250-mb per
+    250 requests over the run's second half (checked when the run is long enough to have them);
   - the server still answers; SIGTERM with requests in flight ends every process of the server and
     each in-flight request gets its answer or a closed connection;
   - the greedy answers equal those of a plain server (the plugin active, no speculation) sent the
@@ -29,6 +32,7 @@ Checks, each a line of the report (exit status 1 if any fails):
 Writes bench/results/soak_<target>.json (provenance: bench/provenance.py).
 
     python -m bench.soak_serving [--requests 1000] [--clients 12] [--time-limit 3600] [--out PATH]
+    make soak SOAK_REQUESTS=5000
 """
 
 from __future__ import annotations
@@ -331,7 +335,8 @@ def check_answer(spec: Spec, answer: dict, params: dict, eos_ids: set[int], cont
 def run_requests(server: LocalServer, specs: list[Spec], clients: int, burst_size: int, deadline: float,
                  on_rss) -> list[dict | None]:
     """Sends `specs` with `clients` in flight; every 250 requests a burst of `burst_size` of them
-    goes out at once on top. Requests not started by `deadline` give None."""
+    goes out at once on top, then `on_rss(requests done)`. Requests not started by `deadline` give
+    None."""
     results: list[dict | None] = [None] * len(specs)
 
     def one(i: int) -> None:
@@ -348,8 +353,58 @@ def run_requests(server: LocalServer, specs: list[Spec], clients: int, burst_siz
             waiting = [burst.submit(one, i) for i in bursting] + [pool.submit(one, i) for i in chunk
                                                                      if i not in bursting]
             concurrent.futures.wait(waiting)
-            on_rss()
+            on_rss(chunk.stop)
     return results
+
+
+SAMPLE_EVERY = 250  # requests between two samples of the server's resident memory
+STEADY_FROM = 1000  # requests after which caches and allocator pools count as warm
+
+
+def process_memory(pids: list[int], proc: Path = Path("/proc")) -> dict[str, int]:
+    """Resident bytes (VmRSS) of each process in `pids`, by its title: SGLang names its children
+    (`sglang::scheduler`, `sglang::detokenizer`); the HTTP server keeps its command line, named
+    "http_server" here. A second process of the same title (data-parallel ranks) gets " #2" and so on.
+    Processes that are gone by the time they are read are left out."""
+    out: dict[str, int] = {}
+    for pid in pids:
+        try:
+            argv0 = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+            status = (proc / str(pid) / "status").read_text()
+        except OSError:
+            continue
+        rss = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), None)
+        if rss is None:  # a zombie has no VmRSS
+            continue
+        title = argv0 if argv0.startswith("sglang::") else "http_server"
+        name, copy = title, 1
+        while name in out:
+            copy += 1
+            name = f"{title} #{copy}"
+        out[name] = rss
+    return out
+
+
+def memory_growth(samples: list[dict]) -> dict[str, dict]:
+    """Per process, from `samples` ({"requests": requests done, "mb": {process: MB}}, in order):
+    its growth from the first sample at or after STEADY_FROM requests to the last sample, and its
+    mean growth per SAMPLE_EVERY requests over the run's second half (from the first sample at or
+    after half the last sample's requests). None where the run has no such samples."""
+    if not samples:
+        return {}
+    last = samples[-1]
+    steady = next((s for s in samples if s["requests"] >= STEADY_FROM), None)
+    half = next((s for s in samples if s["requests"] >= last["requests"] / 2), None)
+    out = {}
+    for name, end_mb in last["mb"].items():
+        grown = None
+        if steady is not None and steady is not last and name in steady["mb"]:
+            grown = round(end_mb - steady["mb"][name], 1)
+        per_250 = None
+        if half is not None and half is not last and name in half["mb"]:
+            per_250 = round((end_mb - half["mb"][name]) * SAMPLE_EVERY / (last["requests"] - half["requests"]), 2)
+        out[name] = {"growth_after_steady_mb": grown, f"mb_per_{SAMPLE_EVERY}_second_half": per_250}
+    return out
 
 
 def leak_lines(log_text: str) -> list[str]:
@@ -473,12 +528,27 @@ def verdicts(summary: dict, idle: dict, rss: dict, alive_after: bool, shutdown: 
         "0 KV slots held when idle": idle["num_used_tokens"] == 0 and idle["num_used_tokens_after_flush"] == 0,
         "SGLang's idle leak check silent": not idle["leak_log_lines"],
         f"resident memory grew <= {args.max_rss_growth_mb} MB": rss["growth_mb"] <= args.max_rss_growth_mb,
+        **growth_checks(rss["growth_by_process"], args),
         "SIGTERM: every process ended, no client hung": not shutdown["processes_left_after_exit"]
         and shutdown["clients_hung"] == 0,
     }
     if parity is not None:
         checks["greedy equals the plain server (near-ties aside)"] = parity["equal"] + parity["near_ties"] == \
             parity["compared"]
+    return checks
+
+
+def growth_checks(growth: dict[str, dict], args) -> dict[str, bool]:
+    """The per-process memory checks the run is long enough for (see memory_growth)."""
+    checks = {}
+    steady = [g["growth_after_steady_mb"] for g in growth.values()]
+    if steady and None not in steady:
+        checks[f"each process grew <= {args.max_process_growth_mb} MB after request {STEADY_FROM}"] = \
+            max(steady) <= args.max_process_growth_mb
+    slopes = [g[f"mb_per_{SAMPLE_EVERY}_second_half"] for g in growth.values()]
+    if slopes and None not in slopes:
+        checks[f"each process grew <= {args.max_growth_per_250_mb} MB per {SAMPLE_EVERY} requests over the "
+               "second half"] = max(slopes) <= args.max_growth_per_250_mb
     return checks
 
 
@@ -495,6 +565,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--near-tie", type=float, default=0.05,
                         help="largest |fp32 logit margin| at which a greedy difference passes as a near-tie")
     parser.add_argument("--max-rss-growth-mb", type=float, default=512)
+    parser.add_argument("--max-process-growth-mb", type=float, default=32,
+                        help=f"largest growth of any server process from request {STEADY_FROM} to the end")
+    parser.add_argument("--max-growth-per-250-mb", type=float, default=2,
+                        help=f"largest mean growth of any server process per {SAMPLE_EVERY} requests, second half")
     parser.add_argument("--no-parity", action="store_true", help="skip the plain server's greedy replay")
     parser.add_argument("--time-limit", type=float, default=3600, help="seconds of sending; then it stops")
     parser.add_argument("--out", type=Path)
@@ -518,24 +592,30 @@ def main() -> None:
 
     server = LocalServer("dflash", launch_args(target, free_port(), draft=draft, extra=extra), server_env(tmp),
                          tmp / "dflash.log")
-    rss_samples = []
+    rss_samples, by_process = [], []
+
+    def sample(requests_done: int) -> None:
+        mb = {name: round(b / 2**20, 1) for name, b in process_memory(server.pids()).items()}
+        by_process.append({"requests": requests_done, "mb": mb})
+        rss_samples.append(sum(mb.values()) * 2**20)
+
     try:
         server.wait_ready(time.time() + STARTUP_TIMEOUT)
-        rss_samples.append(server.resident_bytes())
-        results = run_requests(server, specs, args.clients, args.burst_size, time.time() + args.time_limit,
-                               lambda: rss_samples.append(server.resident_bytes()))
+        sample(0)
+        results = run_requests(server, specs, args.clients, args.burst_size, time.time() + args.time_limit, sample)
         if server.proc.poll() is not None:
             raise SystemExit(f"the DFLASH server died during the soak:\n{server.text()[-4000:]}")
         idle = idle_state(server)
         alive_after = server.post("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 4}})[
             "meta_info"]["completion_tokens"] == 4
-        rss_samples.append(server.resident_bytes())
+        sample(len(specs) + 1)  # idle, after the leak check and one more request
         shutdown = sigterm_in_flight(server, chat_texts(tokenizer, 6))
     finally:
         server.stop()
     rss = {"start_mb": rss_samples[0] / 2**20, "end_mb": rss_samples[-1] / 2**20,
            "samples_mb": [round(b / 2**20, 1) for b in rss_samples],
-           "growth_mb": (rss_samples[-1] - rss_samples[1 if len(rss_samples) > 2 else 0]) / 2**20}
+           "growth_mb": (rss_samples[-1] - rss_samples[1 if len(rss_samples) > 2 else 0]) / 2**20,
+           "samples_by_process": by_process, "growth_by_process": memory_growth(by_process)}
     with open(tmp / "answers.jsonl", "w") as f:  # every request and what came back, to look into a problem
         for spec, result in zip(specs, results, strict=True):
             body = spec.body.decode(errors="replace") if isinstance(spec.body, bytes) else spec.body
@@ -559,7 +639,7 @@ def main() -> None:
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
     print(json.dumps({"by_kind": summary["by_kind"], "step_mix": summary["step_mix"], "idle": idle,
-                      "rss_growth_mb": round(rss["growth_mb"], 1),
+                      "rss_growth_mb": round(rss["growth_mb"], 1), "growth_by_process": rss["growth_by_process"],
                       "shutdown": {k: shutdown[k] for k in ("clients_hung", "processes_left_after_exit",
                                                             "seconds_to_exit")},
                       "parity": parity and {k: parity[k] for k in ("compared", "equal", "near_ties")}}, indent=1))

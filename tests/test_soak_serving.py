@@ -139,3 +139,46 @@ def test_the_step_mix_counts_each_decode_token_by_its_step():
     results = [one, {"status": 200, "answer": [chains_only, chains_only]}, None, _answer([9])]
     assert soak.step_mix(results) == {"tokens_by_step": {"plain": 1, "chain": 4, "tree": 3},
                                       "tree_tokens_by_nodes": {7: 3}}
+
+
+def _proc(root, pid, argv0, rss_kb):
+    d = root / str(pid)
+    d.mkdir()
+    (d / "cmdline").write_bytes(argv0.encode() + b"\0-m\0sglang.launch_server\0")
+    status = "Name:\tpython\n" + (f"VmRSS:\t{rss_kb} kB\n" if rss_kb is not None else "")
+    (d / "status").write_text(status)
+
+
+def test_each_server_process_is_sampled_by_its_title(tmp_path):
+    _proc(tmp_path, 10, "/venv/bin/python", 1024)
+    _proc(tmp_path, 11, "sglang::scheduler", 2048)
+    _proc(tmp_path, 12, "sglang::detokenizer", 512)
+    _proc(tmp_path, 13, "sglang::scheduler", 4096)  # a second data-parallel rank
+    _proc(tmp_path, 14, "sglang::scheduler", None)  # a zombie: no VmRSS
+    got = soak.process_memory([10, 11, 12, 13, 14, 99], proc=tmp_path)  # 99: gone
+    assert got == {"http_server": 2**20, "sglang::scheduler": 2 * 2**20, "sglang::detokenizer": 2**19,
+                   "sglang::scheduler #2": 4 * 2**20}
+
+
+def _samples(per_250: dict[str, list[float]]) -> list[dict]:
+    count = len(next(iter(per_250.values())))
+    return [{"requests": 250 * i, "mb": {name: mbs[i] for name, mbs in per_250.items()}} for i in range(count)]
+
+
+def test_memory_growth_after_warm_up_and_over_the_second_half():
+    # 2,000 requests: the scheduler grows 5 MB per 250 throughout, the detokenizer only while warming up.
+    samples = _samples({"sglang::scheduler": [100 + 5 * i for i in range(9)],
+                        "sglang::detokenizer": [50, 60, 70, 80, 80, 81, 79, 80, 80]})
+    growth = soak.memory_growth(samples)
+    assert growth == {"sglang::scheduler": {"growth_after_steady_mb": 20, "mb_per_250_second_half": 5},
+                      "sglang::detokenizer": {"growth_after_steady_mb": 0, "mb_per_250_second_half": 0}}
+    args = soak.parse_args([])
+    checks = soak.growth_checks(growth, args)
+    assert list(checks.values()) == [True, False]  # 20 <= 32 MB, but 5 > 2 MB per 250
+    assert soak.growth_checks(soak.memory_growth(samples[:3]), args) == {
+        "each process grew <= 2 MB per 250 requests over the second half": False}  # too short for warm-up
+    assert soak.memory_growth(samples[:1]) == {"sglang::scheduler": {"growth_after_steady_mb": None,
+                                                                     "mb_per_250_second_half": None},
+                                               "sglang::detokenizer": {"growth_after_steady_mb": None,
+                                                                       "mb_per_250_second_half": None}}
+    assert soak.growth_checks(soak.memory_growth(samples[:1]), args) == {}
