@@ -22,7 +22,16 @@ import sys
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-_YES, _NO = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+_YES, _NO = ("1", "true", "on", "yes"), ("0", "false", "off", "no")  # sglang_dflash/settings.py's words
+
+
+def _switch(name: str) -> bool | None:
+    """A build-time switch: True, False, or None when unset or empty; another word is an error (the
+    run-time switches are parsed alike by sglang_dflash/settings.py, which setup.py cannot import)."""
+    flag = os.environ.get(name, "").strip().lower()
+    if flag and flag not in _YES + _NO:
+        raise RuntimeError(f"{name}={flag!r}: use 1/true/yes/on or 0/false/no/off")
+    return None if not flag else flag in _YES
 
 
 def _cuda_wanted() -> bool:
@@ -31,15 +40,13 @@ def _cuda_wanted() -> bool:
     SGLANG_DFLASH_CUDA=0. Building them where no GPU can run them costs minutes per architecture."""
     import torch
 
-    flag = os.environ.get("SGLANG_DFLASH_CUDA", "").strip().lower()
-    if flag and flag not in _YES + _NO:
-        raise RuntimeError(f"SGLANG_DFLASH_CUDA={flag!r}: use 1 (build the CUDA kernels) or 0 (do not)")
-    if flag in _NO:
+    flag = _switch("SGLANG_DFLASH_CUDA")
+    if flag is False:
         return False
     toolchain = torch.version.cuda is not None and (
         shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME"))
     )
-    asked = flag in _YES or bool(os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip())
+    asked = flag is True or bool(os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip())
     if asked and not toolchain:
         raise RuntimeError(
             "the CUDA kernels were asked for (SGLANG_DFLASH_CUDA=1 or TORCH_CUDA_ARCH_LIST) but cannot be built: "
@@ -109,7 +116,7 @@ def extensions():
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     extra["cxx"].append("-DSGLANG_DFLASH_WITH_CUDA")
     extra["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-DSGLANG_DFLASH_WITH_CUDA"]
-    if os.environ.get("SGLANG_DFLASH_DEBUG", "").strip().lower() in _YES:
+    if _switch("SGLANG_DFLASH_DEBUG"):
         extra["nvcc"].append("-DSGLANG_DFLASH_DEVICE_TRAP")
     return [
         cpp_extension.CUDAExtension(
