@@ -263,8 +263,8 @@ def _forward(name):
     registers these speculative-path ops there on CPU servers (sglang_dflash/serving/sgl_kernel_ops.py);
     without the plugin SGLang refuses DFLASH on CPU anyway."""
 
-    def op(*args):
-        return getattr(torch.ops.sgl_kernel, name)(*args)
+    def op(*args, **kwargs):
+        return getattr(torch.ops.sgl_kernel, name)(*args, **kwargs)
 
     op.__name__ = name
     return op
@@ -272,6 +272,11 @@ def _forward(name):
 
 copy_all_layer_kv_cache_cpu = _forward("copy_all_layer_kv_cache_cpu")
 assign_extend_cache_locs_cpu = _forward("assign_extend_cache_locs_cpu")
+verify_tree_greedy_cpu = _forward("verify_tree_greedy_cpu")
+fill_accept_out_cache_loc_cpu = _forward("fill_accept_out_cache_loc_cpu")
+fill_bonus_tokens_cpu = _forward("fill_bonus_tokens_cpu")
+# Wrappers of the real wheel's submodules that forward the same way (NGRAM calls this one on CPU).
+_SUBMODULE_FORWARDS = {"speculative": ("reconstruct_indices_from_tree_mask",)}
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
@@ -314,7 +319,7 @@ def __getattr__(name):
 
 
 class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Any `sgl_kernel.<sub>` module: a module whose every name is a placeholder."""
+    """Any `sgl_kernel.<sub>` module: its _SUBMODULE_FORWARDS, every other name a placeholder."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname.startswith(__name__ + "."):
@@ -327,6 +332,8 @@ class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__getattr__ = lambda attr, _n=spec.name: (
             _Missing(f"{_n}.{attr}") if not attr.startswith("__") else _raise_attribute_error(attr)
         )
+        for name in _SUBMODULE_FORWARDS.get(spec.name[len(__name__) + 1:], ()):
+            setattr(module, name, _forward(name))
         return module
 
     def exec_module(self, module):

@@ -212,6 +212,32 @@ def _hooked(target):
     return [h for _, h, _ in HookRegistry._hooks.get(target, [])]
 
 
+@pytest.mark.parametrize("disabled", [False, True])
+def test_on_cpu_every_speculative_algorithm_gets_sgl_kernels_missing_ops(sglang_plugins, monkeypatch, disabled):
+    """Plugin on or off (SGLANG_DFLASH_DISABLE), the create_worker hook supplies the ops before
+    any worker is built; off, DFLASH keeps SGLang's worker and nothing else is hooked."""
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sglang_dflash.serving import cpu, sgl_kernel_ops
+
+    s = sglang_plugins
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    if disabled:
+        monkeypatch.setenv(settings.DISABLE.name, "1")
+    calls = []
+    monkeypatch.setattr(sgl_kernel_ops, "register_missing", lambda: calls.append(1) or ["copy_all_layer_kv_cache_cpu"])
+    original = s.SpeculativeAlgorithm.create_worker
+    s.load_plugins()
+    assert len(_our_hooks(s.HookRegistry)) == 1
+    assert all((_hooked(t) == []) == disabled for t, _ in cpu.HOOKS)
+    ngram = s.SpeculativeAlgorithm.from_string("NGRAM")
+    assert ngram.create_worker(_server_args()) is original(ngram, _server_args())
+    assert calls == [1]
+    if disabled:
+        assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashWorkerV2
+        assert calls == [1, 1]
+
+
 def test_cpu_hooks_only_with_sglangs_cpu_engine(sglang_plugins, monkeypatch):
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
@@ -596,6 +622,35 @@ def test_paged_block_attention_over_sglangs_pool(kind):
     # The block's K/V were written to its slots, as SGLang's backends do.
     assert torch.equal(pool.get_key_buffer(0)[fb.out_cache_loc], k.view(-1, hkv, dim))
     assert torch.equal(pool.get_value_buffer(0)[fb.out_cache_loc], v.view(-1, hkv, dim))
+
+
+def test_ngram_tree_verify_runs_block_attention_over_its_trees():
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_dflash.serving.attention import covers, paged_block_attention
+
+    layer, pool, table, fb, q, k, v, block = _verify_attention_case(AttentionType.DECODER, -1)
+    bs = fb.req_pool_indices.shape[0]
+    parents = torch.tensor([[-1] + [max(i - 2, 0) for i in range(1, block)] for _ in range(bs)])
+    parents[0, 1:] = 0  # a star
+    mask = reference.tree_ancestors(parents)
+    fb.spec_algorithm = SpeculativeAlgorithm.from_string("NGRAM")
+    fb.spec_info = types.SimpleNamespace(custom_mask=mask.flatten(), draft_token_num=block)
+    context_k, context_v = pool.get_key_buffer(0).clone(), pool.get_value_buffer(0).clone()
+    assert covers(layer, fb, q, pool.get_key_buffer(0))
+    out = paged_block_attention(q, k, v, layer, fb, kv_pool=pool, req_to_token=table)
+    hq, hkv, dim = 4, 2, 16
+    ref = reference.block_attention(
+        q.view(-1, hq, dim), k.view(-1, hkv, dim), v.view(-1, hkv, dim), context_k, context_v, table,
+        fb.req_pool_indices, fb.seq_lens, block, sm_scale=0.3, tree_parents=parents,
+    )
+    torch.testing.assert_close(out, ref.reshape(out.shape), rtol=1e-5, atol=1e-5)
+    # A mask that is no tree (a node not seeing itself) stays with SGLang.
+    broken = mask.clone()
+    broken[1, 2, 2] = False
+    fb.spec_info = types.SimpleNamespace(custom_mask=broken.flatten(), draft_token_num=block)
+    assert not covers(layer, fb, q, pool.get_key_buffer(0))
 
 
 def test_attention_swap_leaves_other_calls_to_sglang():

@@ -1,8 +1,8 @@
 // CPU versions of the three sgl-kernel index / KV-copy ops that SGLang 0.5.23's speculative path
 // calls on CPU (`torch.ops.sgl_kernel.<name>`). Only a CPU build of sgl-kernel has them; the PyPI
-// wheel is a CUDA build without them, so a DFLASH CPU server on a stock `pip install sglang` dies
-// at its first decode. They are registered here under sglang_dflash::sgl_kernel_*; the plugin
-// (sglang_dflash/serving/sgl_kernel_ops.py) exposes each under SGLang's name only when
+// wheel is a CUDA build without them, so any speculative CPU server (NGRAM, DFLASH) on a stock
+// `pip install sglang` dies at start-up. They are registered here under sglang_dflash::sgl_kernel_*;
+// the plugin (sglang_dflash/serving/sgl_kernel_ops.py) exposes each under SGLang's name only when
 // torch.ops.sgl_kernel lacks it. Semantics follow the arguments SGLang passes (see that module).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

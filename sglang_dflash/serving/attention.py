@@ -49,15 +49,44 @@ def tree_layers_applied() -> int:
 
 
 def covers(layer, forward_batch, q, k_cache) -> bool:
-    """Whether `paged_block_attention` computes what SGLang's backend would for this DFLASH
-    TARGET_VERIFY call."""
+    """Whether `paged_block_attention` computes what SGLang's backend would for this TARGET_VERIFY
+    call: DFLASH's (a chain, or our published draft tree), or NGRAM's (its draft trees)."""
     mode = getattr(forward_batch, "forward_mode", None)
     algo = getattr(forward_batch, "spec_algorithm", None)
-    if mode is None or not mode.is_target_verify() or algo is None or not algo.is_dflash():
+    if mode is None or not mode.is_target_verify() or algo is None:
         return False
-    if getattr(getattr(forward_batch, "spec_info", None), "custom_mask", None) is not None:
+    if algo.is_dflash():
+        if getattr(getattr(forward_batch, "spec_info", None), "custom_mask", None) is not None:
+            return False
+    elif not algo.is_ngram() or ngram_tree_parents(forward_batch) is None:
         return False
     return _layer_covered(layer, q, k_cache)
+
+
+_NGRAM_PARENTS = "_sglang_dflash_tree_parents"
+
+
+def ngram_tree_parents(forward_batch):
+    """The parents [bs, n] of each request's NGRAM draft tree, read from its verify's tree mask
+    ([bs, n, n]: node j is node i or an ancestor of it; SGLang's CPU form), or None when the mask
+    is not such a tree. Computed once per step (kept on the step's spec_info)."""
+    from sglang_dflash.ops.reference import tree_ancestors
+
+    spec = getattr(forward_batch, "spec_info", None)
+    if spec is None:
+        return None
+    if not hasattr(spec, _NGRAM_PARENTS):
+        mask, n = getattr(spec, "custom_mask", None), getattr(spec, "draft_token_num", None)
+        bs = int(forward_batch.req_pool_indices.shape[0])
+        parents = None
+        if mask is not None and n and mask.numel() == bs * n * n:
+            mask = mask.reshape(bs, n, n).bool()
+            node = torch.arange(n, device=mask.device)
+            nearest = torch.where(mask & (node[None, :] < node[:, None]), node, -1).amax(-1)
+            if torch.equal(tree_ancestors(nearest), mask):
+                parents = nearest
+        setattr(spec, _NGRAM_PARENTS, parents)
+    return getattr(spec, _NGRAM_PARENTS)
 
 
 def covers_decode(layer, forward_batch, q, k_cache) -> bool:
@@ -101,6 +130,14 @@ def _causal(layer) -> bool:
     return layer.attn_type != AttentionType.ENCODER_ONLY
 
 
+def _verify_tree(forward_batch):
+    """The draft trees a target verify checks: NGRAM's own, or DFLASH's published one (None: chains)."""
+    algo = getattr(forward_batch, "spec_algorithm", None)
+    if algo is not None and algo.is_ngram():
+        return ngram_tree_parents(forward_batch)
+    return _tree_parents
+
+
 def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_token, swa_loc=None,
                           save_kv_cache=True, decode=False):
     """One TARGET_VERIFY attention layer (or, with `decode`, one decode layer: a causal block of
@@ -131,12 +168,13 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
     # A decode step's seq_lens count the new token, which is the block; TARGET_VERIFY's do not.
     ctx_lens = forward_batch.seq_lens - 1 if decode else forward_batch.seq_lens
     causal = decode or _causal(layer)
-    tree = None if decode or not causal else _tree_parents  # a target verify of a draft tree
+    tree = None if decode or not causal else _verify_tree(forward_batch)
     if tree is not None:
         if tuple(tree.shape) != (bs, n_rows // bs):
             raise RuntimeError(f"the draft tree's parents {tuple(tree.shape)} do not describe this verify's "
                                f"{bs} blocks of {n_rows // bs} rows")
-        _tree_layers += 1
+        if tree is _tree_parents:
+            _tree_layers += 1
     out = block_attention(
         q3,
         k3.to(q3.dtype),

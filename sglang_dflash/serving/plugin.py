@@ -8,11 +8,22 @@ the hook returns `sglang_dflash.serving.worker.DFlashKernelWorker` (a subclass o
 `DFlashWorkerV2`), otherwise it calls the original. It also refuses prompts that would crash
 SGLang's scheduler (request_checks.py) with a 400 for that request.
 
+On CPU the same hook first supplies, for every speculative algorithm (NGRAM, EAGLE, DFLASH, ...),
+the `torch.ops.sgl_kernel` CPU ops that SGLang's speculative path calls and this sgl-kernel lacks
+(sgl_kernel_ops.py): it runs in the scheduler, before the workers allocate their KV pools, whose
+start-up warm-up calls `copy_all_layer_kv_cache_cpu`. A process that serves without speculation
+never reaches it, so it loads nothing of ours for this.
+
 This module imports nothing heavy at import time (no torch, no SGLang, no extension): the worker
 module is imported inside the hook, i.e. only in the scheduler process that builds the worker.
 
 Environment:
-  SGLANG_DFLASH_DISABLE=1  the plugin registers nothing; DFLASH runs SGLang's built-in worker.
+  SGLANG_DFLASH_DISABLE=1  DFLASH runs SGLang's built-in worker and nothing of SGLang is changed.
+                           On CPU the hook stays only to supply sgl-kernel's missing CPU ops: they
+                           are what a CPU build of sgl-kernel provides under the same names, they
+                           never replace an op that exists, and without them no speculative
+                           algorithm starts on a stock CPU install; with them the server is the
+                           stock SGLang a user would compare against.
   SGLANG_DFLASH_STRICT=1   an incompatible SGLang (version or a missing seam) or a worker that
                            cannot be loaded raises IncompatibleSGLangError when the DFLASH worker
                            is created (the server refuses to start), instead of falling back to the
@@ -83,12 +94,17 @@ def version_problem() -> str | None:
 def register() -> None:
     """Entry point: register the AROUND hook on SpeculativeAlgorithm.create_worker."""
     global _registered
-    if is_disabled():
-        logger.info("sglang-dflash: %s=1, plugin off; DFLASH uses SGLang's built-in worker", settings.DISABLE.name)
-        return
     if _registered:
         return
     problem = version_problem()
+    if is_disabled():
+        logger.info("sglang-dflash: %s=1, plugin off; DFLASH uses SGLang's built-in worker", settings.DISABLE.name)
+        if sglang_serves_on_cpu() and problem is None:  # only to supply sgl-kernel's missing CPU ops
+            from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+            HookRegistry.register(HOOK_TARGET, _create_worker_around, HookType.AROUND)
+            _registered = True
+        return
     if problem is not None and not is_strict():
         logger.warning(
             "sglang-dflash: %s; plugin off, DFLASH uses SGLang's built-in worker "
@@ -137,8 +153,29 @@ def _is_dflash(algo) -> bool:
         return False
 
 
+def supply_cpu_ops() -> None:
+    """Registers the sgl-kernel CPU ops this sgl-kernel lacks (sgl_kernel_ops.py), naming them in
+    the log. An extension that does not load leaves SGLang as it would be without us (warned), or
+    raises IncompatibleSGLangError in strict mode."""
+    from sglang_dflash.serving.sgl_kernel_ops import register_missing
+
+    try:
+        registered = register_missing()
+    except Exception as exc:  # our extension does not load
+        if is_strict():
+            raise IncompatibleSGLangError(f"cannot register sgl-kernel's CPU ops: {exc!r}") from exc
+        logger.warning("sglang-dflash: cannot supply sgl-kernel's missing CPU ops (%r); SGLang's speculative "
+                       "path may fail where it calls them", exc)
+        return
+    if registered:
+        logger.info("sglang-dflash: this sgl-kernel lacks torch.ops.sgl_kernel.%s; ours serve them",
+                    ", ".join(registered))
+
+
 def _create_worker_around(original, algo, *args, **kwargs):
     """AROUND hook on SpeculativeAlgorithm.create_worker(self, server_args)."""
+    if sglang_serves_on_cpu():  # before any worker of the algorithm is built (module docstring)
+        supply_cpu_ops()
     if not _is_dflash(algo) or is_disabled():
         return original(algo, *args, **kwargs)
     # An out-of-tree platform that brings its own DFLASH worker keeps it.

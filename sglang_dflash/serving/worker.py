@@ -47,7 +47,6 @@ from sglang_dflash.ops import self_test
 from sglang_dflash.ops.error_watch import DeviceErrorWatch
 from sglang_dflash.serving import adaptive, attention, draft_int8, draft_norms, trees
 from sglang_dflash.serving.context_kv import ContextKVWriter
-from sglang_dflash.serving.sgl_kernel_ops import register_missing
 
 logger = logging.getLogger(__name__)
 
@@ -148,13 +147,8 @@ class DFlashKernelWorker(DFlashWorkerV2):
     """SGLang's DFlashWorkerV2 with `_accept_block` running sglang-dflash's verify kernels."""
 
     def __init__(self, *args, **kwargs):
-        from sglang.srt.utils import is_cpu
-
-        if is_cpu():  # before SGLang's worker is built: nothing of it may call a missing op
-            registered = register_missing()
-            if registered:
-                logger.info("sglang-dflash: this sgl-kernel lacks torch.ops.sgl_kernel.%s; ours serve them",
-                            ", ".join(registered))
+        # On CPU the plugin's create_worker hook has registered the sgl-kernel ops SGLang's
+        # speculative path calls, where this sgl-kernel lacks them (plugin.supply_cpu_ops).
         super().__init__(*args, **kwargs)
         self._check_draft_matches_target()
         device = runner_device(self.model_runner)
