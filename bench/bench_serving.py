@@ -19,6 +19,10 @@ against 24.8 in another.) The configurations:
                  tree of N nodes (fixed: every eligible step; adaptive: chain or tree as it expects)
   dflash...-floatdraft  any of these with SGLANG_DFLASH_DRAFT_INT8=0: the drafter's weights in the
                  model's dtype instead of int8
+  ngram[-dN]     SGLang's own --speculative-algorithm NGRAM (no drafter: drafts from n-grams of the
+                 prompt and output), what a CPU user would pick instead of DFLASH; with N, its
+                 --speculative-num-draft-tokens. Plugin active: on CPU it supplies the sgl-kernel
+                 ops and the tree-verify attention NGRAM needs there
 
 The requests are the first --samples prompts of HumanEval, GSM8K test and MT-Bench in the
 target's chat template, streamed from /generate at every temperature and at every concurrency
@@ -26,9 +30,11 @@ level c (each prompt once per level and server, in rounds of c concurrent reques
 cache is flushed before each level). A server's output tok/s at a level is its tokens over the
 summed wall time of its rounds. Per server, temperature and concurrency it records output tok/s, p50/p99 time per output
 token, mean time to first token and DFLASH's acceptance; per non-plain server, the tok/s ratio to
-`plain` (and to `plain-plugin`) and which greedy outputs differ from plain's, with the fp32
-target's logit margin at the first differing token. Writes bench/results/serving_<target>.json
-(with provenance: bench/provenance.py) and a PNG beside it, and prints a table.
+`plain` (and to `plain-plugin`), and its greedy parity twice: against `plain-plugin` (which must
+be exact: the plugin's decoding is batch invariant) and against stock `plain`, each differing
+output with its position and the fp32 target's logit margin at the first differing token. Writes
+bench/results/serving_<target>.json (with provenance: bench/provenance.py) and a PNG beside it, and
+prints a table.
 
     python -m bench.bench_serving [--servers plain plain-plugin dflash dflash-b4] [--samples 2]
         [--concurrency 1 4 8] [--temperatures 0 0.7] [--max-new-tokens 128] [--server-args "--dtype float32"]
@@ -69,6 +75,10 @@ SEED_BASE = 1000  # sampling_seed of prompt i is SEED_BASE + i
 STARTUP_TIMEOUT = 600
 FLUSH_TIMEOUT = 60
 REFERENCE = "plain"
+PLUGIN_REFERENCE = "plain-plugin"
+# Whose greedy outputs every other server's are compared with: stock SGLang, then the plain server
+# with the plugin (a reference is compared only with the references before it).
+PARITY_REFERENCES = (REFERENCE, PLUGIN_REFERENCE)
 
 
 # -- configurations and requests ---------------------------------------------------------------
@@ -87,10 +97,14 @@ def server_config(name: str, draft: Path) -> ServerConfig:
         return ServerConfig(name, None, env={"SGLANG_DFLASH_DISABLE": "1"})
     if name == "plain-plugin":
         return ServerConfig(name, None)
+    ngram = re.fullmatch(r"ngram(?:-d(\d+))?", name)
+    if ngram is not None:
+        draft_tokens = ("--speculative-num-draft-tokens", ngram[1]) if ngram[1] else ()
+        return ServerConfig(name, None, ("--speculative-algorithm", "NGRAM", *draft_tokens))
     match = re.fullmatch(r"dflash(-fixed)?(?:-b(\d+))?(?:-tree(\d+))?(-floatdraft)?", name)
     if match is None:
         raise SystemExit(f"unknown server configuration {name!r}: plain, plain-plugin, "
-                         "dflash[-fixed][-bN][-treeN][-floatdraft]")
+                         "dflash[-fixed][-bN][-treeN][-floatdraft], ngram[-dN]")
     env = {"SGLANG_DFLASH_ADAPTIVE": "0"} if match[1] else {}
     if match[3]:
         env["SGLANG_DFLASH_TREE_BUDGET"] = match[3]
@@ -101,7 +115,7 @@ def server_config(name: str, draft: Path) -> ServerConfig:
 
 def baselines(server: str) -> list[str]:
     """The servers whose tok/s `server`'s is divided by."""
-    if server.startswith("dflash"):
+    if server.startswith(("dflash", "ngram")):
         return ["plain", "plain-plugin"]
     return [] if server == REFERENCE else [REFERENCE]
 
@@ -255,16 +269,22 @@ def compare_outputs(reference: list, other: list) -> dict:
 
 
 def comparisons(levels: list[dict], sampled_too: bool) -> list[dict]:
-    """Every non-reference level against the reference server's level at the same temperature and
-    concurrency: greedy always, sampled only when `sampled_too`."""
+    """Every level against each parity reference's level at the same temperature and concurrency
+    (greedy always, sampled only when `sampled_too`): against `plain-plugin` (exact by
+    construction: "must_be_exact"), and against stock `plain`, from which the plugin's
+    batch-invariant plain decoding may differ at near-ties."""
     index = {level_key(lv): lv for lv in levels}
     found = []
     for lv in levels:
-        ref = index.get((REFERENCE, lv["temperature"], lv["concurrency"]))
-        if lv["server"] == REFERENCE or ref is None or (lv["temperature"] > 0 and not sampled_too):
+        if lv["temperature"] > 0 and not sampled_too:
             continue
-        found.append({"server": lv["server"], "reference": REFERENCE, "temperature": lv["temperature"],
-                      "concurrency": lv["concurrency"], **compare_outputs(ref["outcomes"], lv["outcomes"])})
+        for reference in PARITY_REFERENCES:
+            ref = index.get((reference, lv["temperature"], lv["concurrency"]))
+            if ref is None or lv["server"] in PARITY_REFERENCES[: PARITY_REFERENCES.index(reference) + 1]:
+                continue
+            found.append({"server": lv["server"], "reference": reference,
+                          "must_be_exact": reference == PLUGIN_REFERENCE, "temperature": lv["temperature"],
+                          "concurrency": lv["concurrency"], **compare_outputs(ref["outcomes"], lv["outcomes"])})
     return found
 
 
@@ -463,19 +483,22 @@ def fmt(value, spec: str) -> str:
 
 
 def print_table(levels: list[dict], found: list[dict]) -> None:
-    equal = {(c["server"], c["temperature"], c["concurrency"]): f"{c['equal']}/{c['compared']}" for c in found}
+    equal = {(c["server"], c["temperature"], c["concurrency"], c["reference"]): f"{c['equal']}/{c['compared']}"
+             for c in found}
     print(f"\n{'server':14s} {'T':>4s} {'c':>3s} {'tok/s':>7s} {'x plain':>7s} {'x plugin':>8s} {'TPOT p50':>8s} "
-          f"{'p99 ms':>7s} {'TTFT ms':>8s} {'accept':>6s} {'=plain':>6s} {'cut':>4s}")
+          f"{'p99 ms':>7s} {'TTFT ms':>8s} {'accept':>6s} {'=plugin':>7s} {'=plain':>6s} {'cut':>4s}")
     for lv in levels:
+        key = level_key(lv)
         print(f"{lv['server']:14s} {lv['temperature']:4.1f} {lv['concurrency']:3d} {fmt(lv['output_tok_s'], '7.1f')} "
               f"{fmt(lv.get('speedup_vs_plain'), '7.2f')} {fmt(lv.get('speedup_vs_plain_plugin'), '8.2f')} "
               f"{fmt(lv['tpot_p50_ms'], '8.1f')} {fmt(lv['tpot_p99_ms'], '7.1f')} {fmt(lv['ttft_mean_ms'], '8.0f')} "
-              f"{fmt(lv['spec_accept_length_mean'], '6.2f')} {equal.get(level_key(lv), '-'):>6s} {lv['cut']:4d}")
+              f"{fmt(lv['spec_accept_length_mean'], '6.2f')} {equal.get((*key, PLUGIN_REFERENCE), '-'):>7s} "
+              f"{equal.get((*key, REFERENCE), '-'):>6s} {lv['cut']:4d}")
     for c in found:
         for d in c["divergences"]:
-            print(f"  {c['server']} T={c['temperature']} c={c['concurrency']} {d['prompt']}: differs from plain at "
-                  f"token {d['position']} ({d['reference_token']} vs {d['token']}), fp32 margin "
-                  f"{fmt(d.get('margin'), '.3f')}")
+            print(f"  {'NOT EXACT: ' if c['must_be_exact'] else ''}{c['server']} T={c['temperature']} "
+                  f"c={c['concurrency']} {d['prompt']}: differs from {c['reference']} at token {d['position']} "
+                  f"({d['reference_token']} vs {d['token']}), fp32 margin {fmt(d.get('margin'), '.3f')}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

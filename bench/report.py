@@ -251,6 +251,9 @@ def server_label(server: dict, block_size: int | None, defaults: ServedDefaults)
         if env.get("SGLANG_DFLASH_DISABLE") == "1":
             return "plain, stock SGLang (`SGLANG_DFLASH_DISABLE=1`)"
         return "plain, plugin installed"
+    if _arg(args, "--speculative-algorithm").upper() == "NGRAM":
+        draft_tokens = _arg(args, "--speculative-num-draft-tokens")
+        return f"SGLang's NGRAM{f', {draft_tokens} draft tokens' if draft_tokens else ''}, plugin installed"
     b = _arg(args, "--speculative-dflash-block-size") or block_size or "the drafter's"
     adaptive = env.get("SGLANG_DFLASH_ADAPTIVE") != "0"
     budget = int(env.get("SGLANG_DFLASH_TREE_BUDGET", defaults.tree_budget if adaptive else 0))
@@ -260,6 +263,23 @@ def server_label(server: dict, block_size: int | None, defaults: ServedDefaults)
     parts.append("int8 drafter" if int8 else "drafter in the model's dtype")
     switches = " ".join(f"`{k}={v}`" for k, v in env.items())
     return "DFLASH, " + ", ".join(parts) + f" ({switches or 'no switch set'})"
+
+
+def soak_parity_rows(parity: dict) -> list[list[str]]:
+    """The soak's greedy parity: against the plain server with the plugin, and against stock plain
+    (results before both were replayed hold one comparison, with the plugin's plain server)."""
+    by_reference = parity if "plain-plugin" in parity else {"plain-plugin": parity}
+    labels = {"plain-plugin": "greedy answers equal to a plain server's with the plugin",
+              "plain": "greedy answers equal to stock plain SGLang's"}
+    rows = []
+    for reference, label in labels.items():
+        if reference in by_reference:
+            p = by_reference[reference]
+            margins = ", ".join(f"{d['request']} at token {d['position']} (fp32 margin {num(d['margin'], 3)})"
+                                for d in p["divergences"] if d.get("margin") is not None)
+            rows.append([label, f"{p['equal']} of {p['compared']} ({p['near_ties']} near-ties)"
+                                + (f"; differing: {margins}" if margins else "")])
+    return rows
 
 
 def serving_table(results: Results, name: str = "serving_smollm2-135m.json") -> tuple[str, dict]:
@@ -277,9 +297,9 @@ def serving_table(results: Results, name: str = "serving_smollm2-135m.json") -> 
     for lv in data["levels"]:
         if lv["completed"] != lv["requests"]:
             raise ValueError(f"server {lv['server']} completed {lv['completed']} of {lv['requests']} requests")
-    equal: dict[str, list[int]] = {}
+    equal: dict[tuple[str, str], list[int]] = {}  # (server, reference server) -> [equal, compared]
     for comp in data["comparisons"]:
-        counts = equal.setdefault(comp["server"], [0, 0])
+        counts = equal.setdefault((comp["server"], comp["reference"]), [0, 0])
         counts[0] += comp["equal"]
         counts[1] += comp["compared"]
     rows = []
@@ -292,11 +312,13 @@ def serving_table(results: Results, name: str = "serving_smollm2-135m.json") -> 
             row.append(f"{num(value, 1)} ({' / '.join(ratios)})")
         accept = tok_s[(server, *levels[0])]["spec_accept_length_mean"]
         row.append(num(accept) if accept is not None else "-")
-        counts = equal.get(server)
-        row.append(f"{counts[0]}/{counts[1]}" if counts else "reference" if server in stock else "-")
+        for ref in (stock, plugin):
+            counts = equal.get((server, ref[0])) if ref else None
+            row.append(f"{counts[0]}/{counts[1]}" if counts else "reference" if ref and server == ref[0] else "-")
         rows.append(row)
     header = ["server", *(f"T {t:g}, {c} client{'s' if c > 1 else ''}" for t, c in levels),
-              f"accept length (T {levels[0][0]:g}, {levels[0][1]} client)", "greedy output = stock plain"]
+              f"accept length (T {levels[0][0]:g}, {levels[0][1]} client)", "greedy output = stock plain",
+              "= plain with the plugin"]
     text = "\n".join([
         provenance_line(name, data["provenance"]),
         "",
@@ -308,7 +330,8 @@ def serving_table(results: Results, name: str = "serving_smollm2-135m.json") -> 
         "",
         table(header, rows),
     ])
-    headline = next((s for s, c in servers.items() if "--speculative-algorithm" in c["args"] and not c["env"]), None)
+    headline = next((s for s, c in servers.items()
+                     if (_arg(c["args"], "--speculative-algorithm") or "").lower() == "dflash" and not c["env"]), None)
     summary = {}
     if headline and stock and plugin:
         for t, c in levels:
@@ -332,8 +355,7 @@ def soak_section(results: Results) -> str:
         ["requests (ok / sent)", f"{kinds}; lost {summary['lost']}"],
         ["clients", f"{setup['clients']} (bursts of {setup['burst_size']})"],
         ["decode tokens by step kind", ", ".join(f"{k} {v:,}" for k, v in mix.items())],
-        ["greedy answers equal to a plain server's",
-         f"{parity['equal']} of {parity['compared']} ({parity['near_ties']} near-ties)"],
+        *soak_parity_rows(parity),
         ["resident memory growth", f"{num(data['resident_memory']['growth_mb'], 0)} MB"],
         ["SIGTERM with requests streaming",
          f"{shutdown['in_flight']} in flight, {shutdown['clients_hung']} clients hung, "

@@ -25,9 +25,11 @@ Checks, each a line of the report (exit status 1 if any fails):
     250 requests over the run's second half (checked when the run is long enough to have them);
   - the server still answers; SIGTERM with requests in flight ends every process of the server and
     each in-flight request gets its answer or a closed connection;
-  - the greedy answers equal those of a plain server (the plugin active, no speculation) sent the
-    same requests afterwards; a difference is reported with the fp32 target's logit margin at the
-    first differing token and passes only as a near-tie (|margin| <= --near-tie).
+  - the greedy answers equal, exactly, those of a plain server with the plugin active (no
+    speculation; its decoding is batch invariant) sent the same requests afterwards.
+Reported, not checked: the same greedy requests against a stock plain server (SGLANG_DFLASH_DISABLE=1),
+whose decoding the plugin changes; each difference, in both comparisons, with its request, position
+and the fp32 target's logit margin at the first differing token (near-ties: |margin| <= --near-tie).
 
 Writes bench/results/soak_<target>.json (provenance: bench/provenance.py).
 
@@ -54,7 +56,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.bench_serving import first_divergence, logit_margin
+from bench.bench_serving import PLUGIN_REFERENCE, REFERENCE, first_divergence, logit_margin
 from bench.provenance import run_info
 from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
@@ -424,16 +426,18 @@ def idle_state(server: LocalServer) -> dict:
 
 
 def greedy_parity(args, target: Path, specs: list[Spec], results: list, tmp: Path, extra: list[str],
-                  tokenizer) -> dict:
-    """The greedy requests that DFLASH answered, sent again (not streamed) to a plain server with the
-    plugin active; differing answers get the fp32 logit margin at their first differing token."""
+                  tokenizer, reference: str) -> dict:
+    """The greedy requests that DFLASH answered, sent again (not streamed) to a plain server: with the
+    plugin active (`reference` PLUGIN_REFERENCE) or stock SGLang (REFERENCE); differing answers get
+    the fp32 logit margin at their first differing token."""
     todo = [(s, r) for s, r in zip(specs, results, strict=True)
             if s.greedy and r is not None and r["status"] == 200 and isinstance(r["answer"], dict)
             and "output_ids" in r["answer"]]
-    plain = LocalServer("plain", launch_args(target, free_port(), extra=extra), server_env(tmp), tmp / "plain.log")
+    env = server_env(tmp) if reference == PLUGIN_REFERENCE else server_env(tmp, SGLANG_DFLASH_DISABLE="1")
+    plain = LocalServer(reference, launch_args(target, free_port(), extra=extra), env, tmp / f"{reference}.log")
     try:
         plain.wait_ready(time.time() + STARTUP_TIMEOUT)
-        with tqdm(total=len(todo), desc="plain server, greedy", unit="req") as bar:
+        with tqdm(total=len(todo), desc=f"{reference} server, greedy", unit="req") as bar:
             def replay(item):
                 spec, _ = item
                 body = {k: v for k, v in spec.body.items() if k != "rid"}
@@ -533,8 +537,8 @@ def verdicts(summary: dict, idle: dict, rss: dict, alive_after: bool, shutdown: 
         and shutdown["clients_hung"] == 0,
     }
     if parity is not None:
-        checks["greedy equals the plain server (near-ties aside)"] = parity["equal"] + parity["near_ties"] == \
-            parity["compared"]
+        exact = parity[PLUGIN_REFERENCE]
+        checks["greedy equals the plain server with the plugin, exactly"] = exact["equal"] == exact["compared"]
     return checks
 
 
@@ -569,7 +573,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"largest growth of any server process from request {STEADY_FROM} to the end")
     parser.add_argument("--max-growth-per-250-mb", type=float, default=2,
                         help=f"largest mean growth of any server process per {SAMPLE_EVERY} requests, second half")
-    parser.add_argument("--no-parity", action="store_true", help="skip the plain server's greedy replay")
+    parser.add_argument("--no-parity", action="store_true", help="skip the plain servers' greedy replays")
     parser.add_argument("--time-limit", type=float, default=3600, help="seconds of sending; then it stops")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
@@ -623,7 +627,9 @@ def main() -> None:
                                 "result": result}) + "\n")
     summary = summarize(specs, results, eos_ids, args.context_length)
     summary["step_mix"] = step_mix(results)
-    parity = None if args.no_parity else greedy_parity(args, target, specs, results, tmp, extra, tokenizer)
+    parity = None if args.no_parity else {
+        reference: greedy_parity(args, target, specs, results, tmp, extra, tokenizer, reference)
+        for reference in (PLUGIN_REFERENCE, REFERENCE)}
     checks = verdicts(summary, idle, rss, alive_after, shutdown, parity, args)
 
     out = args.out or ROOT / "bench" / "results" / f"soak_{args.target.name if args.target else DEFAULT_TARGET}.json"
@@ -642,7 +648,8 @@ def main() -> None:
                       "rss_growth_mb": round(rss["growth_mb"], 1), "growth_by_process": rss["growth_by_process"],
                       "shutdown": {k: shutdown[k] for k in ("clients_hung", "processes_left_after_exit",
                                                             "seconds_to_exit")},
-                      "parity": parity and {k: parity[k] for k in ("compared", "equal", "near_ties")}}, indent=1))
+                      "parity": parity and {ref: {k: p[k] for k in ("compared", "equal", "near_ties")}
+                                            for ref, p in parity.items()}}, indent=1))
     print(f"wrote {out}")
     raise SystemExit(0 if all(checks.values()) else 1)
 

@@ -99,8 +99,14 @@ def test_server_configurations():
     assert bs.server_config("dflash-floatdraft", draft).env == {"SGLANG_DFLASH_DRAFT_INT8": "0"}
     assert bs.server_config("dflash-fixed-b4-floatdraft", draft).env == {"SGLANG_DFLASH_ADAPTIVE": "0",
                                                                          "SGLANG_DFLASH_DRAFT_INT8": "0"}
-    with pytest.raises(SystemExit):
-        bs.server_config("eagle", draft)
+    ngram = bs.server_config("ngram", draft)
+    assert ngram == bs.ServerConfig("ngram", None, ("--speculative-algorithm", "NGRAM"))  # plugin active
+    assert bs.server_config("ngram-d8", draft).extra == ("--speculative-algorithm", "NGRAM",
+                                                          "--speculative-num-draft-tokens", "8")
+    assert bs.baselines("ngram") == bs.baselines("dflash") == ["plain", "plain-plugin"]
+    for unknown in ("eagle", "ngram-b4", "ngram-d"):
+        with pytest.raises(SystemExit):
+            bs.server_config(unknown, draft)
 
 
 def test_step_time_counts_the_decode_steps_after_the_first_token():
@@ -142,6 +148,26 @@ def test_comparisons_count_equal_outputs_and_record_divergences():
         {"prompt": "c", "position": 2, "reference_token": None, "token": 2},
     ]
     assert len(bs.comparisons(levels, sampled_too=True)) == 2
+
+
+def test_greedy_parity_is_reported_against_the_plugins_plain_server_and_stock_plain():
+    def rec(prompt, ids):
+        return {"prompt": prompt, "output_ids": ids, "prompt_tokens": 10}
+
+    stock = [rec("a", [1, 2, 3]), rec("b", [4, 5, 6])]
+    plugin = [rec("a", [1, 2, 3]), rec("b", [4, 7, 6])]  # batch-invariant decoding flips a near-tie
+    dflash = [rec("a", [1, 2, 3]), rec("b", [4, 7, 6])]
+    levels = [_level("plain", 1.0, outcomes=stock), _level("plain-plugin", 1.0, outcomes=plugin),
+              _level("dflash", 1.0, outcomes=dflash), _level("ngram", 1.0, outcomes=plugin)]
+    found = {(c["server"], c["reference"]): c for c in bs.comparisons(levels, sampled_too=False)}
+    assert sorted(found) == [("dflash", "plain"), ("dflash", "plain-plugin"), ("ngram", "plain"),
+                             ("ngram", "plain-plugin"), ("plain-plugin", "plain")]
+    exact = found[("dflash", "plain-plugin")]
+    assert exact["must_be_exact"] and (exact["compared"], exact["equal"], exact["divergences"]) == (2, 2, [])
+    stock_parity = found[("dflash", "plain")]
+    assert not stock_parity["must_be_exact"]
+    assert stock_parity["divergences"] == [{"prompt": "b", "position": 1, "reference_token": 5, "token": 7}]
+    assert found[("plain-plugin", "plain")]["equal"] == 1
 
 
 def test_logit_margin_is_reference_minus_other():
