@@ -182,3 +182,21 @@ def test_memory_growth_after_warm_up_and_over_the_second_half():
                                                "sglang::detokenizer": {"growth_after_steady_mb": None,
                                                                        "mb_per_250_second_half": None}}
     assert soak.growth_checks(soak.memory_growth(samples[:1]), args) == {}
+
+
+def test_greedy_parity_must_be_exact_against_the_plugins_plain_server_and_is_only_reported_against_stock():
+    args = soak.parse_args([])
+    summary = {"sent": args.requests, "requests_with_problems": 0}
+    idle = {"num_used_tokens": 0, "num_used_tokens_after_flush": 0, "leak_log_lines": []}
+    rss = {"growth_mb": 0, "growth_by_process": {}}
+    shutdown = {"processes_left_after_exit": [], "clients_hung": 0}
+
+    def parity(plugin_equal, stock_equal):
+        return {"plain-plugin": {"compared": 10, "equal": plugin_equal, "near_ties": 10 - plugin_equal},
+                "plain": {"compared": 10, "equal": stock_equal, "near_ties": 10 - stock_equal}}
+
+    name = "greedy equals the plain server with the plugin, exactly"
+    assert soak.verdicts(summary, idle, rss, True, shutdown, parity(10, 7), args)[name]
+    checks = soak.verdicts(summary, idle, rss, True, shutdown, parity(9, 10), args)
+    assert not checks[name]  # a near-tie against the plugin's plain server is a failure
+    assert not any("stock" in check or "near-ties" in check for check in checks)
