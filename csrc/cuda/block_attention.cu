@@ -50,6 +50,7 @@
 #include "block_attention.cuh"
 #include "sglang_dflash/checks.h"
 #include "sglang_dflash/dispatch.h"
+#include "sglang_dflash/env.h"
 #include "sglang_dflash/online_softmax.h"
 #include "sglang_dflash/variants.h"
 
@@ -538,10 +539,7 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_block,
   }
   // Tuning / testing knob: SGLANG_DFLASH_ATTN_SPLITS=n forces n splits (read once), for every
   // variant without a split count of its own.
-  static const int64_t forced_splits = [] {
-    const char* env = std::getenv("SGLANG_DFLASH_ATTN_SPLITS");
-    return env ? std::atoll(env) : int64_t{0};
-  }();
+  static const int64_t forced_splits = env_int("SGLANG_DFLASH_ATTN_SPLITS", 0);
   if (forced_splits > 0 && variant.policy != SplitPolicy::kForced) {
     splits = forced_splits;
     p.split_keys = 0;
