@@ -41,8 +41,8 @@ class Setting:
 
 DISABLE = Setting(
     "SGLANG_DFLASH_DISABLE", bool, False,
-    "the plugin changes nothing of SGLang; DFLASH runs SGLang's own worker (and is refused on CPU); on CPU it still "
-    "supplies sgl-kernel's missing CPU ops to SGLang's speculative algorithms (docs/serving.md)")
+    "the plugin registers nothing; DFLASH runs SGLang's own worker (and is refused on CPU), and SGLang's own "
+    "speculative algorithms on a stock CPU install fail as without the plugin (docs/serving.md)")
 STRICT = Setting(
     "SGLANG_DFLASH_STRICT", bool, False,
     "an SGLang this package was not checked against, a missing seam, or an extension that does not load raises "

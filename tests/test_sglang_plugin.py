@@ -212,30 +212,37 @@ def _hooked(target):
     return [h for _, h, _ in HookRegistry._hooks.get(target, [])]
 
 
-@pytest.mark.parametrize("disabled", [False, True])
-def test_on_cpu_every_speculative_algorithm_gets_sgl_kernels_missing_ops(sglang_plugins, monkeypatch, disabled):
-    """Plugin on or off (SGLANG_DFLASH_DISABLE), the create_worker hook supplies the ops before
-    any worker is built; off, DFLASH keeps SGLang's worker and nothing else is hooked."""
+def test_on_cpu_every_speculative_algorithm_gets_sgl_kernels_missing_ops(sglang_plugins, monkeypatch):
+    """The create_worker hook supplies the ops before any worker of the algorithm is built; with
+    the plugin disabled (at start-up or by the time the worker is created) it supplies nothing."""
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-    from sglang_dflash.serving import cpu, sgl_kernel_ops
+    from sglang_dflash.serving import sgl_kernel_ops
 
     s = sglang_plugins
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
-    if disabled:
-        monkeypatch.setenv(settings.DISABLE.name, "1")
     calls = []
     monkeypatch.setattr(sgl_kernel_ops, "register_missing", lambda: calls.append(1) or ["copy_all_layer_kv_cache_cpu"])
     original = s.SpeculativeAlgorithm.create_worker
     s.load_plugins()
-    assert len(_our_hooks(s.HookRegistry)) == 1
-    assert all((_hooked(t) == []) == disabled for t, _ in cpu.HOOKS)
     ngram = s.SpeculativeAlgorithm.from_string("NGRAM")
     assert ngram.create_worker(_server_args()) is original(ngram, _server_args())
     assert calls == [1]
-    if disabled:
-        assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashWorkerV2
-        assert calls == [1, 1]
+    monkeypatch.setenv(settings.DISABLE.name, "1")
+    assert ngram.create_worker(_server_args()) is original(ngram, _server_args())
+    assert s.SpeculativeAlgorithm.DFLASH.create_worker(_server_args()) is DFlashWorkerV2
+    assert calls == [1]
+
+
+def test_disabled_on_cpu_registers_nothing(sglang_plugins, monkeypatch):
+    from sglang_dflash.serving import cpu
+
+    s = sglang_plugins
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    monkeypatch.setenv(settings.DISABLE.name, "1")
+    s.load_plugins()
+    assert _our_hooks(s.HookRegistry) == []
+    assert all(_hooked(t) == [] for t, _ in cpu.HOOKS)
 
 
 def test_cpu_hooks_only_with_sglangs_cpu_engine(sglang_plugins, monkeypatch):

@@ -18,12 +18,11 @@ This module imports nothing heavy at import time (no torch, no SGLang, no extens
 module is imported inside the hook, i.e. only in the scheduler process that builds the worker.
 
 Environment:
-  SGLANG_DFLASH_DISABLE=1  DFLASH runs SGLang's built-in worker and nothing of SGLang is changed.
-                           On CPU the hook stays only to supply sgl-kernel's missing CPU ops: they
-                           are what a CPU build of sgl-kernel provides under the same names, they
-                           never replace an op that exists, and without them no speculative
-                           algorithm starts on a stock CPU install; with them the server is the
-                           stock SGLang a user would compare against.
+  SGLANG_DFLASH_DISABLE=1  the plugin registers nothing; DFLASH runs SGLang's built-in worker. Not
+                           even sgl-kernel's missing CPU ops: on a stock CPU install a speculative
+                           algorithm would then start, but SGLang's torch_native backend has no
+                           TARGET_VERIFY path (cpu.py hook 3), so it would die at its first decode
+                           step instead of at start-up, as stock SGLang does.
   SGLANG_DFLASH_STRICT=1   an incompatible SGLang (version or a missing seam) or a worker that
                            cannot be loaded raises IncompatibleSGLangError when the DFLASH worker
                            is created (the server refuses to start), instead of falling back to the
@@ -94,17 +93,12 @@ def version_problem() -> str | None:
 def register() -> None:
     """Entry point: register the AROUND hook on SpeculativeAlgorithm.create_worker."""
     global _registered
+    if is_disabled():
+        logger.info("sglang-dflash: %s=1, plugin off; DFLASH uses SGLang's built-in worker", settings.DISABLE.name)
+        return
     if _registered:
         return
     problem = version_problem()
-    if is_disabled():
-        logger.info("sglang-dflash: %s=1, plugin off; DFLASH uses SGLang's built-in worker", settings.DISABLE.name)
-        if sglang_serves_on_cpu() and problem is None:  # only to supply sgl-kernel's missing CPU ops
-            from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-            HookRegistry.register(HOOK_TARGET, _create_worker_around, HookType.AROUND)
-            _registered = True
-        return
     if problem is not None and not is_strict():
         logger.warning(
             "sglang-dflash: %s; plugin off, DFLASH uses SGLang's built-in worker "
@@ -174,7 +168,7 @@ def supply_cpu_ops() -> None:
 
 def _create_worker_around(original, algo, *args, **kwargs):
     """AROUND hook on SpeculativeAlgorithm.create_worker(self, server_args)."""
-    if sglang_serves_on_cpu():  # before any worker of the algorithm is built (module docstring)
+    if sglang_serves_on_cpu() and not is_disabled():  # before any worker is built (module docstring)
         supply_cpu_ops()
     if not _is_dflash(algo) or is_disabled():
         return original(algo, *args, **kwargs)
