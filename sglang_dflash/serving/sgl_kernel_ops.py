@@ -1,4 +1,4 @@
-"""sgl-kernel's CPU index / KV-copy ops, for SGLang installs whose sgl-kernel lacks them.
+"""sgl-kernel's CPU ops of SGLang's speculative path, for SGLang installs whose sgl-kernel lacks them.
 
 SGLang 0.5.23's speculative path on CPU calls these ops through `torch.ops.sgl_kernel` (its
 `sgl_kernel` Python wrappers forward to them): only a CPU build of sgl-kernel has CPU kernels for
@@ -35,7 +35,6 @@ SCHEMAS = {
         "(Tensor req_pool_indices, Tensor req_to_token, Tensor start_offset, Tensor end_offset, "
         "Tensor(a!) out_cache_loc, int pool_len) -> ()"
     ),
-
     "reconstruct_indices_from_tree_mask": (
         "(Tensor tree_mask, Tensor verified_seq_len, Tensor(a!) positions, Tensor(b!) retrive_index, "
         "Tensor(c!) retrive_next_token, Tensor(d!) retrive_next_sibling, int batch_size, int draft_token_num) -> ()"
@@ -151,10 +150,13 @@ def _has_cpu_kernel(name: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"sgl_kernel::{name}", "CPU")
 
 
+# The ops whose CPU kernel is the Python function above; the others' are our extension's.
+_PYTHON_KERNELS = {f.__name__: f for f in (reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu,
+                                           fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu)}
+
+
 def _cpu_kernel(name: str):
-    python = {f.__name__: f for f in (reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu,
-                                      fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu)}
-    return python.get(name) or getattr(ops(), "sgl_kernel_" + name)
+    return _PYTHON_KERNELS.get(name) or getattr(ops(), "sgl_kernel_" + name)
 
 
 def register_missing() -> list[str]:
