@@ -131,10 +131,10 @@ def test_every_shipped_drafter_file_is_package_data():
             assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in package-data"
 
 
-def test_demo_runs_the_shipped_drafter_and_matches_plain_decoding(capsys):
+def test_engine_demo_runs_the_shipped_drafter_and_matches_plain_decoding(capsys):
     from sglang_dflash.cli import main
 
-    assert main(["demo", "--max-new-tokens", "24", "--threads", "2"]) == 0
+    assert main(["demo-engine", "--max-new-tokens", "24", "--threads", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("tau ") == 4 and out.count("same text as plain decoding: True") == 4
     assert "output identical to plain greedy decoding: True" in out

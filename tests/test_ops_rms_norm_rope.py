@@ -78,8 +78,8 @@ def test_matches_the_draft_models_pytorch_path(dtype):
         norm.weight.copy_(weight)
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
     freqs = pos.float()[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    torch_path = apply_rope(reference.rms_norm_rope(x, weight, 1e-6), emb.cos().to(dtype), emb.sin().to(dtype))
+    # apply_rope takes one cos / sin column per rotated pair.
+    torch_path = apply_rope(reference.rms_norm_rope(x, weight, 1e-6), freqs.cos().to(dtype), freqs.sin().to(dtype))
     table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
     got = ops.rms_norm_rope(x, weight, 1e-6, table, torch.arange(5))
     assert_close(got, torch_path, 4 * TOLERANCE[dtype])

@@ -146,11 +146,12 @@ __attribute__((target("avx512f"))) inline uint32_t philox_lanes4_avx512(
 
 // lanes[j][i] = lane j of the Philox block of group[i] (philox_lanes4, many blocks at once);
 // returns the largest lane. ATen's CPU capability ("AVX512", "AVX2" or "DEFAULT", which
-// ATEN_CPU_CAPABILITY can lower) picks the code.
+// ATEN_CPU_CAPABILITY can lower) picks the code. ATen reports what that variable names even on a
+// CPU without the instructions, so the AVX-512 path also asks the CPU itself.
 inline uint32_t philox_lanes4_batch(const NoiseKey& key, const uint32_t group[kPhiloxBatch],
                                     uint32_t lanes[4][kPhiloxBatch]) {
 #if defined(__AVX2__)
-  static const bool avx512 = at::get_cpu_capability() == "AVX512";
+  static const bool avx512 = at::get_cpu_capability() == "AVX512" && __builtin_cpu_supports("avx512f");
   static const bool avx2 = at::get_cpu_capability() == "AVX2";
   if (avx512) return philox_lanes4_avx512(key, group, lanes);
   if (avx2) return philox_lanes4_avx2(key, group, lanes);
