@@ -47,6 +47,11 @@ def decode_rate(results) -> float:
     return tokens / seconds
 
 
+def committed_per_step(results) -> float:
+    """tau: decode tokens (after the prefill's) per verify step."""
+    return sum(len(r.output_ids) - 1 for r in results) / sum(r.stats.steps for r in results)
+
+
 def run(gen: Generator, prompts, params: SamplingParams, repeats: int):
     best = None
     for _ in range(repeats):
@@ -139,7 +144,7 @@ def main() -> None:
             spec = run(Generator(target, OracleDrafter(references, target.vocab_size), block), batch, params,
                        args.repeats)
             assert [r.output_ids for r in spec] == [r.output_ids for r in ar], "oracle run is not lossless"
-            tau = sum(len(r.output_ids) - 1 for r in spec) / sum(r.stats.steps for r in spec)
+            tau = committed_per_step(spec)
             rate = decode_rate(spec)
             print(f"bs {bs}: oracle B={block:2d} tau {tau:5.2f} {rate:7.1f} tok/s  speedup {rate / ar_rate:5.2f}x")
             rows.append({"batch": bs, "drafter": "oracle", "block_size": block, "tau": tau, "ar_tok_s": ar_rate,
@@ -148,7 +153,7 @@ def main() -> None:
                 spec = run(Generator(target, drafter, block), batch, params, args.repeats)
                 identical = [r.output_ids for r in spec] == [r.output_ids for r in ar]
                 lossless &= identical
-                tau = sum(len(r.output_ids) - 1 for r in spec) / sum(r.stats.steps for r in spec)
+                tau = committed_per_step(spec)
                 rate = decode_rate(spec)
                 print(f"bs {bs}: {args.draft} B={block:2d} tau {tau:5.2f} {rate:7.1f} tok/s  "
                       f"speedup {rate / ar_rate:5.2f}x  greedy identical to plain: {identical}")

@@ -63,6 +63,10 @@ def _chat_texts(model_dir: Path) -> list[str]:
             for p in DEMO_PROMPTS]
 
 
+def _log_tail(server, lines: int = 25) -> str:
+    return f"last lines of {server.log}:\n" + "\n".join(server.text().splitlines()[-lines:])
+
+
 def _serve(name: str, argv: list[str], log_dir: Path, texts: list[str], max_new_tokens: int) -> ServedRun:
     """Starts one server, warms it up, times the prompts one at a time, and stops it."""
     from tqdm import tqdm
@@ -78,9 +82,8 @@ def _serve(name: str, argv: list[str], log_dir: Path, texts: list[str], max_new_
         try:
             server.wait_ready(started + STARTUP_TIMEOUT_S)
         except (RuntimeError, TimeoutError) as e:
-            tail = "\n".join(server.text().splitlines()[-25:])
             raise DemoFailed(f"the {name} server did not start: {str(e).splitlines()[0]}\n"
-                             f"last lines of {log}:\n{tail}") from None
+                             f"{_log_tail(server)}") from None
         _say(f"[demo] {name} server ready on {server.url} after {time.time() - started:.0f} s")
         params = {"max_new_tokens": max_new_tokens, "temperature": 0}
         server.post("/generate", {"text": texts[0], "sampling_params": params}, REQUEST_TIMEOUT_S)  # warm-up
@@ -91,9 +94,7 @@ def _serve(name: str, argv: list[str], log_dir: Path, texts: list[str], max_new_
             seconds += time.perf_counter() - t0
         return ServedRun(name, answers, seconds)
     except OSError as e:
-        tail = "\n".join(server.text().splitlines()[-25:])
-        raise DemoFailed(f"the {name} server failed a request ({type(e).__name__}: {e})\n"
-                         f"last lines of {log}:\n{tail}") from None
+        raise DemoFailed(f"the {name} server failed a request ({type(e).__name__}: {e})\n{_log_tail(server)}") from None
     finally:
         server.stop()
 
