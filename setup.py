@@ -8,7 +8,8 @@ later GPU JIT-compiles it; a GPU with no image fails the start-up self-test and 
 sglang_dflash/ops/self_test.py).
 SGLANG_DFLASH_DEBUG=1 makes a failed device-side index check print and trap (ending the CUDA context,
 to stop in the faulting kernel under a debugger) instead of recording it for check_device_errors
-(csrc/cuda/device_errors.cu). MAX_JOBS caps the parallel compile jobs (default: all cores).
+(csrc/cuda/device_errors.cu), and keeps the C++ kernels' debug information (-g).
+MAX_JOBS caps the parallel compile jobs (default: all cores).
 """
 
 import glob
@@ -87,7 +88,13 @@ def _default_arch_list() -> str:
 
 
 def _cpu_flags() -> list[str]:
-    flags = ["-O3", "-std=c++20", "-fopenmp"]
+    # TORCH_ASSERT_ONLY_METHOD_OPERATORS: a C++ source may include ATen/core/Tensor.h and the
+    # ATen/ops/ headers of the functions it calls, never ATen/ATen.h (every op's header, which took
+    # most of each file's compile time; the build is on the path of `make demo`).
+    # -g0 (Python's own CFLAGS ask for -g): debug info took a quarter of each file's compile time;
+    # SGLANG_DFLASH_DEBUG=1 keeps it.
+    flags = ["-O3", "-std=c++20", "-fopenmp", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS"]
+    flags.append("-g" if _switch("SGLANG_DFLASH_DEBUG") else "-g0")
     if platform.machine() in ("x86_64", "AMD64"):
         # at::vec::Vectorized<float> as AVX2 (8 lanes); every x86 machine this targets has AVX2.
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]

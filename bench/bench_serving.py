@@ -2,7 +2,7 @@
 speculation, side by side on this machine, through the HTTP API a user calls.
 
 All server configurations run side by side on 127.0.0.1, each started (one after the other) with
---sleep-on-idle, so a server waiting for its turn sleeps (~1.5 % of a core; without the flag an
+--sleep-on-idle (launch_args adds it), so a server waiting for its turn sleeps (~1.5 % of a core; without the flag an
 idle SGLang scheduler spins a whole core) and warmed up with one request. Then every level's
 requests go in rounds: each server in turn (which one first rotates per round) gets the round's c
 requests at once and finishes them before the next server's turn, so a slow spell of this 2-core
@@ -66,8 +66,7 @@ from sglang_dflash.serving.local_server import LocalServer, free_port, launch_ar
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = "smollm2-135m"
 DATASETS = ["humaneval", "gsm8k", "mtbench"]
-# --sleep-on-idle: the servers share the machine, and an idle SGLang scheduler otherwise spins a core.
-COMMON_ARGS = ["--max-total-tokens", "8192", "--random-seed", "0", "--max-running-requests", "16", "--sleep-on-idle"]
+COMMON_ARGS = ["--max-total-tokens", "8192", "--random-seed", "0", "--max-running-requests", "16"]
 # SGLang reads a request's sampling_seed only under this server flag; without it sampled outputs
 # are not reproducible, so they are compared with plain's only when it is given.
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"

@@ -1,6 +1,9 @@
 #include "sglang_dflash/checks.h"
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/aminmax.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdio>

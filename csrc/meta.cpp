@@ -1,6 +1,7 @@
 // Meta implementations: shape inference for FakeTensor / torch.compile, running the same
 // argument validation as the real kernels (no tensor data is read).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "sglang_dflash/checks.h"

@@ -1,8 +1,8 @@
 """`sglang-dflash demo` (`make demo`): the product's main door on this machine. It starts an SGLang
-server with plain decoding and one with `--speculative-algorithm dflash` and the shipped drafter, one
-after the other on 127.0.0.1, sends each the same prompts one at a time (greedy), and prints the
-answers, output tok/s and the ratio, whether the greedy text is identical, and the commands that
-start such servers. It stops every server it started, also when one fails.
+server with plain decoding and one with `--speculative-algorithm dflash` and the shipped drafter on
+127.0.0.1 (started together, timed one after the other), sends each the same prompts one at a time
+(greedy), and prints the answers, output tok/s and the ratio, whether the greedy text is identical,
+and the commands that start such servers. It stops every server it started, also when one fails.
 
 The plain server runs with this package's plugin loaded, as every SGLang server in an environment
 with sglang-dflash installed does (the plugin registers itself through an entry point); with plain
@@ -23,8 +23,8 @@ from pathlib import Path
 from sglang_dflash.demo import DEMO_BLOCK_SIZE, DEMO_PROMPTS
 
 DEMO_TARGET = "smollm2-135m"
-# Same as the serving benchmark: a small KV pool, and an idle scheduler that does not spin a core.
-SERVER_ARGS = ("--max-total-tokens", "8192", "--random-seed", "0", "--sleep-on-idle")
+# Same as the serving benchmark: a small KV pool (launch_args adds --sleep-on-idle).
+SERVER_ARGS = ("--max-total-tokens", "8192", "--random-seed", "0")
 STARTUP_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 300
 
@@ -67,36 +67,45 @@ def _log_tail(server, lines: int = 25) -> str:
     return f"last lines of {server.log}:\n" + "\n".join(server.text().splitlines()[-lines:])
 
 
-def _serve(name: str, argv: list[str], log_dir: Path, texts: list[str], max_new_tokens: int) -> ServedRun:
-    """Starts one server, warms it up, times the prompts one at a time, and stops it."""
+def _start(servers: list) -> None:
+    """Waits until every server answers; they start together, so their start-ups (mostly
+    single-threaded imports and model loading) overlap on the machine's cores."""
+    from sglang_dflash.serving.local_server import ServerStartError, wait_all_ready
+
+    names = " and ".join(s.name for s in servers)
+    _say(f"[demo] starting the {names} servers together (each loads SGLang and the model; usually 30-90 s "
+         f"on 2 cores); logs in {servers[0].log.parent}")
+    try:
+        wait_all_ready(servers, time.time() + STARTUP_TIMEOUT_S,
+                       on_ready=lambda server, s: _say(f"[demo] {server.name} server ready on {server.url} "
+                                                       f"after {s:.0f} s"))
+    except ServerStartError as e:
+        raise DemoFailed(f"the {e.server.name} server did not start: {str(e).splitlines()[0]}\n"
+                         f"{_log_tail(e.server)}") from None
+
+
+def _stop(servers: list) -> None:
+    for server in servers:
+        server.stop()
+
+
+def _time_prompts(server, texts: list[str], max_new_tokens: int) -> ServedRun:
+    """One warm-up request, then the prompts one at a time, timed. An idle server sleeps
+    (--sleep-on-idle), so the other one costs nothing while this one is timed."""
     from tqdm import tqdm
 
-    from sglang_dflash.serving.local_server import LocalServer, server_env
-
-    log = log_dir / f"{name}.log"
-    server = LocalServer(name, argv, server_env(log_dir), log)
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0}
     try:
-        _say(f"[demo] starting the {name} server (loads SGLang and the model; usually 30-90 s on 2 cores); "
-             f"log: {log}")
-        started = time.time()
-        try:
-            server.wait_ready(started + STARTUP_TIMEOUT_S)
-        except (RuntimeError, TimeoutError) as e:
-            raise DemoFailed(f"the {name} server did not start: {str(e).splitlines()[0]}\n"
-                             f"{_log_tail(server)}") from None
-        _say(f"[demo] {name} server ready on {server.url} after {time.time() - started:.0f} s")
-        params = {"max_new_tokens": max_new_tokens, "temperature": 0}
         server.post("/generate", {"text": texts[0], "sampling_params": params}, REQUEST_TIMEOUT_S)  # warm-up
         answers, seconds = [], 0.0
-        for text in tqdm(texts, desc=f"{name}: prompts", unit="prompt", file=sys.stdout):
+        for text in tqdm(texts, desc=f"{server.name}: prompts", unit="prompt", file=sys.stdout):
             t0 = time.perf_counter()
             answers.append(server.post("/generate", {"text": text, "sampling_params": params}, REQUEST_TIMEOUT_S))
             seconds += time.perf_counter() - t0
-        return ServedRun(name, answers, seconds)
     except OSError as e:
-        raise DemoFailed(f"the {name} server failed a request ({type(e).__name__}: {e})\n{_log_tail(server)}") from None
-    finally:
-        server.stop()
+        raise DemoFailed(f"the {server.name} server failed a request ({type(e).__name__}: {e})\n"
+                         f"{_log_tail(server)}") from None
+    return ServedRun(server.name, answers, seconds)
 
 
 def _check_sglang() -> None:
@@ -110,7 +119,7 @@ def _check_sglang() -> None:
 def run_served_demo(max_new_tokens: int) -> int:
     from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
     from sglang_dflash.engine.packaged import packaged_model_dir
-    from sglang_dflash.serving.local_server import free_port, launch_args
+    from sglang_dflash.serving.local_server import LocalServer, free_port, launch_args, server_env
 
     try:
         _check_sglang()
@@ -121,10 +130,16 @@ def run_served_demo(max_new_tokens: int) -> int:
         dflash_args = ("--speculative-dflash-block-size", str(DEMO_BLOCK_SIZE))
         with tempfile.TemporaryDirectory(prefix="sglang-dflash-demo-") as log_dir:
             log_dir = Path(log_dir)
-            plain = _serve("plain", launch_args(target, free_port(), extra=SERVER_ARGS), log_dir, texts,
-                           max_new_tokens)
-            dflash = _serve("DFLASH", launch_args(target, free_port(), draft=draft, extra=dflash_args + SERVER_ARGS),
-                            log_dir, texts, max_new_tokens)
+            argvs = {"plain": launch_args(target, free_port(), extra=SERVER_ARGS),
+                     "DFLASH": launch_args(target, free_port(), draft=draft, extra=dflash_args + SERVER_ARGS)}
+            servers = []
+            try:
+                for name, argv in argvs.items():
+                    servers.append(LocalServer(name, argv, server_env(log_dir), log_dir / f"{name}.log"))
+                _start(servers)
+                plain, dflash = [_time_prompts(server, texts, max_new_tokens) for server in servers]
+            finally:
+                _stop(servers)
     except DemoFailed as e:
         _say(f"[demo] FAILED: {e}")
         return 1

@@ -96,7 +96,8 @@ CUDA = Setting(
     read=BUILD, default_doc="on where a GPU is visible and nvcc is found")
 DEBUG = Setting(
     "SGLANG_DFLASH_DEBUG", bool, False,
-    "a failed device-side index check prints and traps instead of being recorded for `check_device_errors`",
+    "a failed device-side index check prints and traps instead of being recorded for `check_device_errors`; "
+    "the C++ kernels keep their debug information (-g)",
     read=BUILD)
 
 SETTINGS = (DISABLE, STRICT, DRAFT_ATTENTION, ADAPTIVE, TREE_BUDGET, TREE_TOPK, BATCH_INVARIANT, DRAFT_INT8, CACHE,

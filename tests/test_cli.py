@@ -1,5 +1,6 @@
 """`sglang-dflash generate` end to end, as a subprocess: ids and per-step commits in --json, text
-mode, and one clear error for a bad draft path."""
+mode, and one clear error for a bad draft path; the flag checks, which run before anything loads, in
+this process."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from sglang_dflash import cli
 from sglang_dflash.models import save_draft
 from tests.dflash_testlib import STOP_TOKEN, hf_greedy, random_draft, smollm2, tiny_target
 
@@ -155,8 +157,9 @@ def test_bad_draft_path_is_one_clear_error(tmp_path):
     (["--draft", "/nonexistent/draft", "--tree-budget", "4", "--tree-min-prob", "nan"],
      "--tree-min-prob must be in [0, 1) (a path probability), got nan"),
 ])
-def test_bad_generate_flags_are_one_clear_error_before_any_model_loads(flags, message):
-    # The target does not exist: a check that ran after loading would report that instead.
-    proc = run_cli("--target", "/nonexistent/target", "--prompt-ids", "1,2", *flags)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == f"sglang-dflash: error: {message}"
+def test_bad_generate_flags_are_one_clear_error_before_any_model_loads(flags, message, capsys):
+    """In this process (the checks run before anything loads; test_bad_draft_path_is_one_clear_error
+    runs the same error path as a subprocess). The target does not exist: a check that ran after
+    loading would report that instead."""
+    assert cli.main(["generate", "--target", "/nonexistent/target", "--prompt-ids", "1,2", *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"sglang-dflash: error: {message}"

@@ -12,24 +12,25 @@ import pytest
 from sglang_dflash import served_demo
 
 
-def test_a_server_that_fails_to_start_is_named_with_its_log_and_stopped(tmp_path, monkeypatch):
-    from sglang_dflash.serving import local_server
+def test_a_server_that_fails_to_start_is_named_with_its_log_and_everything_is_stopped(tmp_path):
+    """Stand-in processes, not SGLang (what is tested is the demo's handling): the plain one would
+    never answer, the DFLASH one exits at once. The wait ends on the exit, not at the deadline, names
+    the DFLASH server with its log's tail, and the demo stops both."""
+    from sglang_dflash.serving.local_server import LocalServer
 
-    started = []
-
-    class Recording(local_server.LocalServer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            started.append(self)
-
-    monkeypatch.setattr(local_server, "LocalServer", Recording)
-    argv = [sys.executable, "-c", "print('cannot load the model'); raise SystemExit(3)", "--port", "1"]
-    with pytest.raises(served_demo.DemoFailed) as failed:
-        served_demo._serve("DFLASH", argv, tmp_path, ["a prompt"], 4)
+    never_ready = [sys.executable, "-c", "import time; time.sleep(300)", "--port", "1"]
+    dies = [sys.executable, "-c", "print('cannot load the model'); raise SystemExit(3)", "--port", "2"]
+    servers = [LocalServer("plain", never_ready, {}, tmp_path / "plain.log"),
+               LocalServer("DFLASH", dies, {}, tmp_path / "DFLASH.log")]
+    try:
+        with pytest.raises(served_demo.DemoFailed) as failed:
+            served_demo._start(servers)
+    finally:
+        served_demo._stop(servers)
     message = str(failed.value)
     assert message.startswith("the DFLASH server did not start: DFLASH server exited (3)")
     assert "cannot load the model" in message and str(tmp_path / "DFLASH.log") in message
-    assert len(started) == 1 and started[0].proc.poll() == 3
+    assert [s.proc.poll() for s in servers] == [-15, 3]  # the plain one got SIGTERM
 
 
 @pytest.mark.slow

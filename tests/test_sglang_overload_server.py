@@ -44,7 +44,7 @@ def _args(target: Path, draft: Path, port: int) -> list[str]:
     return launch_args(target, port, draft=draft, extra=[
         "--load-format", "dummy", "--speculative-draft-load-format", "dummy", "--dtype", "float32",
         "--random-seed", "0", "--max-running-requests", str(RUNNING), "--max-total-tokens", str(TOTAL_TOKENS),
-        "--max-queued-requests", str(QUEUED), "--sleep-on-idle"])  # idle, a server sleeps: servers share 2 cores
+        "--max-queued-requests", str(QUEUED)])
 
 
 @pytest.fixture(scope="module")

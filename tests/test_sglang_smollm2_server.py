@@ -8,18 +8,16 @@ computes exactly what decoding that token alone computes. So greedy DFLASH outpu
 plain server's token for token, one request at a time and concurrently, whatever block sizes the
 adaptive controller picks (chains or, by default on CPU, draft trees of up to 7 nodes), and with
 trees at every step (SGLANG_DFLASH_TREE_BUDGET: a tree node's verify row is bitwise the decode of
-its path). The servers run one after the other (never together: an idle
-SGLang scheduler keeps a core busy). Needs SGLang (scripts/install_sglang_cpu.sh); ~5 minutes.
+its path). The servers start together and then serve one at a time (an idle server sleeps).
+Needs SGLang (scripts/install_sglang_cpu.sh); ~3 minutes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import importlib.util
 import json
 import re
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -36,6 +34,7 @@ from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
 from sglang_dflash.serving.local_server import (
     LocalServer,
+    all_ready,
     free_port,
     launch_args,
     server_env,
@@ -92,70 +91,67 @@ def _abort_while_running(server: LocalServer, text: str) -> dict:
     return final
 
 
-@contextlib.contextmanager
-def _server(name: str, target: Path, draft: Path | None, tmp: Path, **env: str):
-    """A started server (`env` added to its environment), stopped on exit."""
-    server = LocalServer(name, launch_args(target, free_port(), draft=draft, extra=["--max-total-tokens", "4096"]),
-                         server_env(tmp, OMP_NUM_THREADS="2", **env), tmp / f"{name}.log")
-    try:
-        server.wait_ready(time.time() + STARTUP_TIMEOUT)
-        yield server
-    finally:
-        server.stop()
-
-
-def _serve(name: str, target: Path, draft: Path | None, tmp: Path, prompts: list[str], short: list[str],
-           **env: str) -> dict:
-    """Starts a server (`env` added to its environment), sends the requests, stops it with SIGTERM
-    while requests run; returns what it answered, its KV usage once idle, how it shut down and its
-    log."""
-    with _server(name, target, draft, tmp, **env) as server:
-        alone = [_generate(server, p) for p in prompts]
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(lambda p: _generate(server, p, max_new_tokens=40), prompts))
-        bad = []
-        for sampling in ({"temperature": -1.0}, {"top_p": 2.0}):
-            try:
-                _generate(server, prompts[0], max_new_tokens=4, **sampling)
-                bad.append(None)
-            except urllib.error.HTTPError as exc:
-                bad.append(exc.code)
-        after_bad = _generate(server, prompts[0], max_new_tokens=8)
-        # Where a block meets the end of a request: max_new_tokens inside a block, stop strings,
-        # and the logprobs of the committed tokens.
-        edges = [_generate(server, p, max_new_tokens=n, stop=stop, return_logprob=True)
-                 for p in prompts[:2] for n, stop in ((7, None), (13, None), (48, ["."]), (48, ["\n"]))]
-        eos = [_generate(server, p, max_new_tokens=48) for p in short]
-        aborted = _abort_while_running(server, prompts[0])
-        idle = server.wait_idle(timeout=60)
-        shutdown = sigterm_in_flight(server, prompts[:3], max_new_tokens=48)
-        return dict(name=name, alone=alone, together=together, bad=bad, after_bad=after_bad, edges=edges, eos=eos,
-                    aborted=aborted, idle=idle, shutdown=shutdown, log=server.text())
+def _served(server: LocalServer, prompts: list[str], short: list[str]) -> dict:
+    """Sends a started server the requests, then stops it with SIGTERM while requests run; returns
+    what it answered, its KV usage once idle, how it shut down and its log."""
+    alone = [_generate(server, p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: _generate(server, p, max_new_tokens=40), prompts))
+    bad = []
+    for sampling in ({"temperature": -1.0}, {"top_p": 2.0}):
+        try:
+            _generate(server, prompts[0], max_new_tokens=4, **sampling)
+            bad.append(None)
+        except urllib.error.HTTPError as exc:
+            bad.append(exc.code)
+    after_bad = _generate(server, prompts[0], max_new_tokens=8)
+    # Where a block meets the end of a request: max_new_tokens inside a block, stop strings,
+    # and the logprobs of the committed tokens.
+    edges = [_generate(server, p, max_new_tokens=n, stop=stop, return_logprob=True)
+             for p in prompts[:2] for n, stop in ((7, None), (13, None), (48, ["."]), (48, ["\n"]))]
+    eos = [_generate(server, p, max_new_tokens=48) for p in short]
+    aborted = _abort_while_running(server, prompts[0])
+    idle = server.wait_idle(timeout=60)
+    shutdown = sigterm_in_flight(server, prompts[:3], max_new_tokens=48)
+    return dict(name=server.name, alone=alone, together=together, bad=bad, after_bad=after_bad, edges=edges,
+                eos=eos, aborted=aborted, idle=idle, shutdown=shutdown, log=server.text())
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def servers(tmp_path_factory):
+    """The four servers, started together (their start-ups overlap) and then used one at a time (an
+    idle server sleeps: --sleep-on-idle). `env` is added to each one's environment."""
     tmp = tmp_path_factory.mktemp("smollm2_servers")
     target, draft = packaged_model_dir("smollm2-135m"), resolve_draft(SHIPPED_DRAFTER)
-    prompts, short = _prompts(target), _chat(target, SHORT_ANSWER_PROMPTS)
-    plain = _serve("plain", target, None, tmp, prompts, short)
-    dflash = _serve("dflash", target, draft, tmp, prompts, short)
-    # Every decode step a tree of TREE_NODES nodes where the batch allows one (grammar and sampling
-    # masks do not; logprobs do, their rows moved into path order).
-    trees = _serve("dflash-trees", target, draft, tmp, prompts, short, SGLANG_DFLASH_ADAPTIVE="0",
-                   SGLANG_DFLASH_TREE_BUDGET=str(TREE_NODES))
-    return plain, dflash, trees
+
+    def start(name: str, draft: Path | None, **env: str) -> LocalServer:
+        return LocalServer(name, launch_args(target, free_port(), draft=draft, extra=["--max-total-tokens", "4096"]),
+                           server_env(tmp, OMP_NUM_THREADS="2", **env), tmp / f"{name}.log")
+
+    started = [start("plain", None), start("dflash", draft),
+               # Every decode step a tree of TREE_NODES nodes where the batch allows one (grammar and
+               # sampling masks do not; logprobs do, their rows moved into path order).
+               start("dflash-trees", draft, SGLANG_DFLASH_ADAPTIVE="0", SGLANG_DFLASH_TREE_BUDGET=str(TREE_NODES)),
+               # A fixed block size: the adaptive server may verify the last tokens in a plain step
+               # (its choice follows step times, so a loaded machine moves it), and chains are to be
+               # seen ending inside a block.
+               start("dflash-pinned", draft, SGLANG_DFLASH_ADAPTIVE="0")]
+    with all_ready(*started, startup_timeout=STARTUP_TIMEOUT):
+        yield target, {s.name: s for s in started}
 
 
 @pytest.fixture(scope="module")
-def pinned_chain_eos(tmp_path_factory):
-    """The short answers from a DFLASH server at a fixed block size (SGLANG_DFLASH_ADAPTIVE=0): the
-    adaptive server may verify the last tokens in a plain step (its choice follows step times, so a
-    loaded machine moves it), and chains are to be seen ending inside a block."""
-    tmp = tmp_path_factory.mktemp("smollm2_pinned")
-    target = packaged_model_dir("smollm2-135m")
-    with _server("dflash-pinned", target, resolve_draft(SHIPPED_DRAFTER), tmp, SGLANG_DFLASH_ADAPTIVE="0") as server:
-        return [_generate(server, p, max_new_tokens=48) for p in _chat(target, SHORT_ANSWER_PROMPTS)]
+def runs(servers):
+    target, by_name = servers
+    prompts, short = _prompts(target), _chat(target, SHORT_ANSWER_PROMPTS)
+    return tuple(_served(by_name[name], prompts, short) for name in ("plain", "dflash", "dflash-trees"))
+
+
+@pytest.fixture(scope="module")
+def pinned_chain_eos(servers):
+    """The short answers from the DFLASH server at a fixed block size."""
+    target, by_name = servers
+    return [_generate(by_name["dflash-pinned"], p, max_new_tokens=48) for p in _chat(target, SHORT_ANSWER_PROMPTS)]
 
 
 def test_greedy_dflash_equals_plain_decoding_token_for_token(runs):

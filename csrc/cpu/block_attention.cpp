@@ -11,7 +11,8 @@
 // chain in the same order either way, so a decode row and its verify row stay bitwise equal. The
 // two GEMMs of a tile (Q K^T, P V) run on 16-lane AVX-512 where the CPU has it (avx512_wanted), the
 // same chains again: both paths give the same bits.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 

@@ -6,7 +6,8 @@
 // target's probability of that token.
 //
 // The search is gumbel_max.h's (the same as verify_block's sampler; results are exact).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

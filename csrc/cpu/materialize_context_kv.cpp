@@ -3,7 +3,8 @@
 // which streams the weight once; BLAS above), then one parallel pass over the rows doing, per
 // (layer, kv head), the k RMSNorm, the RoPE and the conversion into the pools, all in fp32 on
 // buffers of one head.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

@@ -2,7 +2,7 @@
 // takes what slot src[i] held, every source read before any slot is written. A tree step moves its
 // accepted path's K/V into consecutive cache slots with it: a few slots of 2 x layers buffers, where
 // a torch index copy per buffer (60 for SmolLM2) cost more than all the bytes moved.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

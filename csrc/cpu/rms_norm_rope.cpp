@@ -2,7 +2,8 @@
 // the rows in fp32 with one rounding to the output dtype. A draft step on the CPU is bound by op
 // count, not arithmetic: the PyTorch form of a q/k norm + RoPE is ~14 elementwise ops on a few
 // hundred values each, this is one.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -4,7 +4,7 @@
 // `pip install sglang` dies at start-up. They are registered here under sglang_dflash::sgl_kernel_*;
 // the plugin (sglang_dflash/serving/sgl_kernel_ops.py) exposes each under SGLang's name only when
 // torch.ops.sgl_kernel lacks it. Semantics follow the arguments SGLang passes (see that module).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 

@@ -27,7 +27,7 @@
 // of an Intel Xeon with two 512-bit FMA units), and a draft tree's verify has 5-16 rows. The
 // choice is made once per process, so every call of a run sums in the same order and batch
 // invariance holds on either path (their results differ from each other in the last bits).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

@@ -3,7 +3,8 @@
 // row's softmax. A draft tree takes k choices at each of its positions from one draft forward;
 // torch's log_softmax then topk over a [7, 49152] draft read the row four times and wrote it once
 // (~0.3 ms of a SmolLM2 tree step on 2 cores), this reads it twice and writes 2k values.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 

@@ -3,7 +3,8 @@
 // logits of rows past the first disagreement are not read; with fewer requests than threads, a
 // sampled request's rows are sampled in parallel waves instead (see verify_kernel). The
 // Gumbel-max search itself is gumbel_max.h's.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 

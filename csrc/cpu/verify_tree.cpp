@@ -1,6 +1,7 @@
 // CPU tree verification from the target's token ids (docs/design.md §3.3): the tree's rules are checked
 // first (checks.cpp), then every request's walk (accept.h, accept_tree) runs as its own task.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -16,7 +16,7 @@
 // reference agree bit for bit, and each output row depends only on its own x row (batch invariant).
 // Quantizing activations changes the drafts, never the output (drafts only propose): the shipped
 // drafter's tau at fixed B moved by at most +-0.035 over the 27 fixed cells of `make e2e`.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -86,9 +86,11 @@ def server_env(tmp_dir: Path, **overrides: str) -> dict:
 
 
 def launch_args(model_path: Path, port: int, *, draft: Path | None = None, extra=()) -> list[str]:
-    """`python -m sglang.launch_server` on CPU at 127.0.0.1:port; DFLASH with `draft` when given."""
+    """`python -m sglang.launch_server` on CPU at 127.0.0.1:port; DFLASH with `draft` when given.
+    --sleep-on-idle: an idle SGLang scheduler otherwise polls its sockets in a busy loop, a whole
+    core, and the servers started here share a small machine with each other and their clients."""
     args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--device", "cpu",
-            "--host", "127.0.0.1", "--port", str(port)]
+            "--host", "127.0.0.1", "--port", str(port), "--sleep-on-idle"]
     if draft is not None:
         args += ["--speculative-algorithm", "dflash", "--speculative-draft-model-path", str(draft)]
     return args + list(extra)
@@ -107,6 +109,18 @@ def sse_chunks(response):
             yield json.loads(payload)
 
 
+class ServerStartError(RuntimeError):
+    """A server that exited, could not bind its port or did not answer in time; `server` is it."""
+
+    def __init__(self, server: LocalServer, message: str):
+        super().__init__(message)
+        self.server = server
+
+
+class ServerStartTimeout(ServerStartError, TimeoutError):
+    pass
+
+
 class LocalServer:
     """One server process, in a session of its own (so its scheduler and detokenizer children can be
     found and killed as a group), its output in `log_path`."""
@@ -122,24 +136,24 @@ class LocalServer:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def ready(self) -> bool:
+        """Whether /health_generate answers now (a real forward pass); raises with the log's tail
+        when the process has exited or could not bind its port."""
+        if self.proc.poll() is not None:
+            raise ServerStartError(self, f"{self.name} server exited ({self.proc.returncode}):\n"
+                                         f"{self.text()[-4000:]}")
+        if "address already in use" in self.text():  # uvicorn could not bind, yet the process stays
+            raise ServerStartError(self, f"{self.name} server: port {self.port} taken:\n{self.text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
     def wait_ready(self, deadline: float) -> None:
-        """Until /health_generate answers (a real forward pass), or raise with the log's tail when the
-        process exits or time.time() passes `deadline`."""
-        started = time.time()
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited ({self.proc.returncode}):\n{self.text()[-4000:]}")
-            if "address already in use" in self.text():  # uvicorn could not bind, yet the process stays
-                raise RuntimeError(f"{self.name} server: port {self.port} taken:\n{self.text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"{self.name} server not ready after {time.time() - started:.0f} s:\n"
-                           f"{self.text()[-4000:]}")
+        """Until the server answers, or raise with the log's tail when the process exits or
+        time.time() passes `deadline`."""
+        wait_all_ready([self], deadline)
 
     def _request(self, path: str, body: dict) -> urllib.request.Request:
         return urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
@@ -240,6 +254,39 @@ class LocalServer:
             return True
         except ProcessLookupError:
             return False
+
+
+def wait_all_ready(servers: list[LocalServer], deadline: float, on_ready=None) -> None:
+    """Until every one of `servers` (started together, so their start-ups overlap: mostly
+    single-threaded imports and model loading) answers; `on_ready(server, seconds)` as each does.
+    The first that exits, cannot bind its port or is still not ready at `deadline` (time.time())
+    raises ServerStartError (ServerStartTimeout), named, with its log's tail."""
+    started, waiting = time.time(), list(servers)
+    while True:
+        for server in list(waiting):
+            if server.ready():
+                waiting.remove(server)
+                if on_ready is not None:
+                    on_ready(server, time.time() - started)
+        if not waiting:
+            return
+        if time.time() >= deadline:
+            late = waiting[0]
+            raise ServerStartTimeout(late, f"{late.name} server not ready after {time.time() - started:.0f} s:\n"
+                                           f"{late.text()[-4000:]}")
+        time.sleep(2)
+
+
+@contextlib.contextmanager
+def all_ready(*servers: LocalServer, startup_timeout: float):
+    """`servers` once all answer (wait_all_ready); stops them all on exit, also when one fails to
+    start."""
+    try:
+        wait_all_ready(list(servers), time.time() + startup_timeout)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def sigterm_in_flight(server: LocalServer, texts: list[str], max_new_tokens: int = 96) -> dict:
