@@ -41,7 +41,9 @@ demo-engine: $(INSTALLED)
 	$(VENV)/bin/sglang-dflash demo-engine
 
 # SGLang 0.5.23 beside the package on a CPU-only machine (lightest install; see docs/serving.md).
-install-sglang-cpu: install
+# (On the stamp, not on `install`: `make install install-sglang-cpu` and the stamps' chain from
+# `make demo` each build the package once.)
+install-sglang-cpu: $(INSTALLED)
 	bash scripts/install_sglang_cpu.sh $(VENV)
 	touch $(SGLANG_INSTALLED)
 
