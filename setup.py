@@ -88,9 +88,10 @@ def _default_arch_list() -> str:
 
 
 def _cpu_flags() -> list[str]:
-    # TORCH_ASSERT_ONLY_METHOD_OPERATORS: a C++ source may include ATen/core/Tensor.h and the
-    # ATen/ops/ headers of the functions it calls, never ATen/ATen.h (every op's header, which took
-    # most of each file's compile time; the build is on the path of `make demo`).
+    # TORCH_ASSERT_ONLY_METHOD_OPERATORS (here and for nvcc): a source may include
+    # ATen/core/Tensor.h and the ATen/ops/ headers of the functions it calls, never ATen/ATen.h
+    # (every op's header: ~40 % of each C++ file's compile time, and the build is on the path of
+    # `make demo`).
     # -g0 (Python's own CFLAGS ask for -g): debug info took a quarter of each file's compile time;
     # SGLANG_DFLASH_DEBUG=1 keeps it.
     flags = ["-O3", "-std=c++20", "-fopenmp", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS"]
@@ -122,7 +123,8 @@ def extensions():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _default_arch_list())
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     extra["cxx"].append("-DSGLANG_DFLASH_WITH_CUDA")
-    extra["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-DSGLANG_DFLASH_WITH_CUDA"]
+    extra["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-DSGLANG_DFLASH_WITH_CUDA",
+                     "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS"]
     if _switch("SGLANG_DFLASH_DEBUG"):
         extra["nvcc"].append("-DSGLANG_DFLASH_DEVICE_TRAP")
     return [

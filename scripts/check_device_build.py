@@ -40,7 +40,8 @@ INDEX = "https://pypi.org/simple/torch/"  # PEP 691 JSON; the /pypi/torch/VERSIO
 WANTED = ("torch/include/", "torch/version.py", "torch/utils/cpp_extension.py")
 # setup.py's extensions(): its nvcc flags and include dirs, plus the defines CUDAExtension adds.
 SETUP_NVCC_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-DSGLANG_DFLASH_WITH_CUDA",
-                    "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C", "--compiler-options", "-fPIC"]
+                    "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                    "-DTORCH_EXTENSION_NAME=_C", "--compiler-options", "-fPIC"]
 SETUP_INCLUDE_DIRS = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
 
 

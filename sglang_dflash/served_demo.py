@@ -23,8 +23,10 @@ from pathlib import Path
 from sglang_dflash.demo import DEMO_BLOCK_SIZE, DEMO_PROMPTS
 
 DEMO_TARGET = "smollm2-135m"
-# Same as the serving benchmark: a small KV pool (launch_args adds --sleep-on-idle).
-SERVER_ARGS = ("--max-total-tokens", "8192", "--random-seed", "0")
+# A small KV pool: on the CPU, SGLang otherwise takes most of the RAM for it.
+CPU_KV_POOL = ("--max-total-tokens", "8192")
+# As the serving benchmark's (launch_args adds --sleep-on-idle).
+SERVER_ARGS = (*CPU_KV_POOL, "--random-seed", "0")
 STARTUP_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 300
 
@@ -165,6 +167,7 @@ def _print_report(plain: ServedRun, dflash: ServedRun, identical: bool, target: 
     launch = ["python", "-m", "sglang.launch_server", "--model-path", str(target)]
     dflash = ["--speculative-algorithm", "dflash", "--speculative-draft-model-path", str(draft), *dflash_args]
     _say("\nStart these servers yourself, on this CPU:")
-    _say("  plain:  SGLANG_USE_CPU_ENGINE=1 " + shlex.join(launch + ["--device", "cpu"]))
-    _say("  DFLASH: SGLANG_USE_CPU_ENGINE=1 " + shlex.join(launch + ["--device", "cpu"] + dflash))
+    cpu = ["--device", "cpu", *CPU_KV_POOL]
+    _say("  plain:  SGLANG_USE_CPU_ENGINE=1 " + shlex.join(launch + cpu))
+    _say("  DFLASH: SGLANG_USE_CPU_ENGINE=1 " + shlex.join(launch + cpu + dflash))
     _say("On a GPU (pip install sglang==0.5.23 beside this package): " + shlex.join(launch + dflash))

@@ -29,7 +29,8 @@
 // configuration also with the shape-only policy (".shapes") and forced split counts (".splitN").
 // The thread's selected variant applies to the bf16 / fp16 tensor-core path; the SIMT path takes
 // only its split policy.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -4,7 +4,8 @@
 // argmax(score + noise), lowest column on ties. Both reductions have a fixed order, so the result
 // is deterministic; against the CPU twin it differs only when the double log of the noise rounds
 // differently and that decides a tie.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

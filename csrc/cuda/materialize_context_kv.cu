@@ -5,7 +5,8 @@
 // reduction, and the normed k sits in shared memory so each lane can read its RoPE partner.
 // Out-of-range positions / out_loc are recorded in the device's error record (checking them on the
 // host needs a sync; check_device_errors raises them) and their rows are not written.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/linear.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

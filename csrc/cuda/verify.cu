@@ -21,7 +21,8 @@
 // different order (and with CUDA's expf), and the Gumbel noise's double log may differ by an ulp.
 // Each needs a tie within rounding, so it affects a vanishing fraction of rows. Every reduction
 // here has a fixed order, so repeated runs (and CUDA-graph replays) are bit-identical.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <cuda_fp16.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>

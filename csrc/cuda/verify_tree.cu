@@ -3,7 +3,8 @@
 // is a chain of dependent reads, so there is nothing to share among threads. A tree that breaks a
 // rule is recorded for check_device_errors (checking it on the host would cost a device sync); the
 // walk addresses only the request's own nodes whatever the values, so it still runs.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
