@@ -12,6 +12,7 @@ same greedy text token for token.
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import sys
 import tempfile
@@ -111,11 +112,11 @@ def _time_prompts(server, texts: list[str], max_new_tokens: int) -> ServedRun:
 
 
 def _check_sglang() -> None:
-    try:
-        import sglang  # noqa: F401
-    except ImportError as e:
-        raise DemoFailed(f"SGLang does not import here ({e}); `make install-sglang-cpu` installs it beside this "
-                         "package on a CPU machine, `pip install sglang==0.5.23` on a GPU machine") from None
+    """SGLang is installed (found, not imported: importing it takes seconds, and a broken install
+    shows as a server that fails to start, named with its log)."""
+    if importlib.util.find_spec("sglang") is None:
+        raise DemoFailed("SGLang is not installed here; `make install-sglang-cpu` installs it beside this "
+                         "package on a CPU machine, `pip install sglang==0.5.23` on a GPU machine")
 
 
 def run_served_demo(max_new_tokens: int) -> int:
@@ -128,7 +129,6 @@ def run_served_demo(max_new_tokens: int) -> int:
         _say(f"[demo] preparing the packaged {DEMO_TARGET} target (converted once from its wheel's GGUF)")
         target = packaged_model_dir(DEMO_TARGET)
         draft = resolve_draft(SHIPPED_DRAFTER)
-        texts = _chat_texts(target)
         dflash_args = ("--speculative-dflash-block-size", str(DEMO_BLOCK_SIZE))
         with tempfile.TemporaryDirectory(prefix="sglang-dflash-demo-") as log_dir:
             log_dir = Path(log_dir)
@@ -138,6 +138,7 @@ def run_served_demo(max_new_tokens: int) -> int:
             try:
                 for name, argv in argvs.items():
                     servers.append(LocalServer(name, argv, server_env(log_dir), log_dir / f"{name}.log"))
+                texts = _chat_texts(target)  # while the servers start
                 _start(servers)
                 plain, dflash = [_time_prompts(server, texts, max_new_tokens) for server in servers]
             finally:

@@ -307,3 +307,14 @@ def test_tensor_parallel_and_mamba_targets_refuse_trees(monkeypatch):
 
     assert "tensor parallelism" in trees.tree_problem(_tree_worker(monkeypatch, TorchNativeAttnBackend, tp_size=2))
     assert "Mamba" in trees.tree_problem(_tree_worker(monkeypatch, TorchNativeAttnBackend, mamba=True))
+
+
+def test_tensor_parallelism_turns_the_adaptive_block_size_off():
+    """Every rank must verify the same block size, and each would choose its own from its own step
+    times: under TP the block size stays fixed (and so no trees). A stand-in worker (the check
+    runs before anything that needs a server)."""
+    from sglang_dflash.serving import adaptive
+
+    worker = types.SimpleNamespace(**dict.fromkeys(adaptive.PER_BLOCK_SIZE_STATE), device="cpu",
+                                   _tp_size=lambda: 2)
+    assert adaptive.adaptive_problem(worker) == "tensor parallelism (the ranks would choose their block sizes apart)"

@@ -73,6 +73,9 @@ def adaptive_problem(worker) -> str | None:
         return f"this SGLang's DFLASH worker lacks {missing}"
     if torch.device(worker.device).type != "cpu":
         return "on GPUs the draft and verify CUDA graphs are captured for one block size"
+    if worker._tp_size() > 1:
+        # Every rank must run the same block size, and each would choose from its own step times.
+        return "tensor parallelism (the ranks would choose their block sizes apart)"
     if not _overlap_disabled():
         return "overlap scheduling prepares the next step before this one's block size is known"
     for name in ("selector", "lilicorr"):

@@ -79,11 +79,11 @@ def tree_options(max_block_size: int, vocab_size: int, block_size_adapts: bool =
 
 def tree_problem(worker) -> str | None:
     """Why this worker cannot run tree steps (None: it can)."""
+    if worker._tp_size() > 1:
+        return "tensor parallelism (the tree's draft head and verify run on one rank)"
     problem = adaptive.adaptive_problem(worker)  # a tree step runs at another block size than the worker's
     if problem is not None:
         return problem
-    if worker._tp_size() > 1:
-        return "tensor parallelism (the tree's draft head and verify run on one rank)"
     if getattr(worker, "_need_mamba_verify_commit", False):
         return "the target's Mamba state commits a chain"
     backend = type(getattr(worker.target_worker.model_runner, "attn_backend", None)).__name__

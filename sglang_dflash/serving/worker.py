@@ -244,7 +244,10 @@ class DFlashKernelWorker(DFlashWorkerV2):
         self._draft_vocab_end = 0 if self._draft_vocab is None else int(self._draft_vocab.max()) + 1
         self._draft_head: tuple | None = None  # (key of the LM head weight it was cut from, rows, row scales)
         self._draft_int8 = False  # the draft head rows (and the draft layers) in int8: draft_int8.py
-        if self._draft_vocab is not None:
+        if self._draft_vocab is not None and self._tp_size() > 1:  # _draft_head_rows says why
+            logger.info("sglang-dflash: %s/draft_vocab.safetensors unused: under tensor parallelism the LM head "
+                        "is sharded, and drafts take the whole vocabulary", path)
+        elif self._draft_vocab is not None:
             logger.info("sglang-dflash: drafts take the %d ids of %s/draft_vocab.safetensors (vocabulary %d)",
                         self._draft_vocab.numel(), path, vocab_size)
 
