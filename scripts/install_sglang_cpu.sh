@@ -68,7 +68,7 @@ except metadata.PackageNotFoundError:
 EOF
 )
 if [ "$have_sglang" != 1 ]; then
-  echo "[install_sglang_cpu] installing sglang==$SGLANG_VERSION --no-deps"
+  echo "[install_sglang_cpu] installing sglang==$SGLANG_VERSION --no-deps (this script usually takes under a minute)"
   "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
 fi
 
