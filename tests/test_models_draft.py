@@ -57,6 +57,7 @@ def zlab_tensors(layers: int, taps: int, bias: bool, gen: torch.Generator) -> di
             t[p + "self_attn.q_proj.bias"] = rnd(HQ * D)
             t[p + "self_attn.k_proj.bias"] = rnd(HKV * D)
             t[p + "self_attn.v_proj.bias"] = rnd(HKV * D)
+            t[p + "self_attn.o_proj.bias"] = rnd(H)
         t[p + "self_attn.q_norm.weight"] = norm(D)
         t[p + "self_attn.k_norm.weight"] = norm(D)
         t[p + "mlp.gate_proj.weight"] = rnd(FFN, H)
@@ -127,7 +128,7 @@ def reference_draft_logits(w: dict, layers: int, ctx_hidden: torch.Tensor, block
             visible &= (q_pos[:, None] - k_pos[None]).abs() < window
         scores = scores.masked_fill(~visible, float("-inf"))
         attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(b, HQ * D)
-        h = h + attn @ w[p + "self_attn.o_proj.weight"].T
+        h = h + linear(attn, p + "self_attn.o_proj")
         y = rms(h, w[p + "post_attention_layernorm.weight"])
         gate, up = y @ w[p + "mlp.gate_proj.weight"].T, y @ w[p + "mlp.up_proj.weight"].T
         h = h + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T

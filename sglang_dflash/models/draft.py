@@ -110,7 +110,7 @@ class DFlashAttention(nn.Module):
         self.q_proj = SkinnyLinear(h, self.num_heads * d, bias=bias)
         self.k_proj = SkinnyLinear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = SkinnyLinear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = SkinnyLinear(self.num_heads * d, h, bias=False)
+        self.o_proj = SkinnyLinear(self.num_heads * d, h, bias=bias)  # as Qwen3's and SGLang's DFLASH o_proj
         self.q_norm = RMSNorm(d, config.rms_norm_eps, config.use_gemma_norm)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, config.use_gemma_norm)
         self.v_scale = config.attention_value_scale
