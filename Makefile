@@ -55,8 +55,8 @@ install-sglang-cpu: $(INSTALLED)
 $(SGLANG_INSTALLED): $(INSTALLED)
 	$(MAKE) install-sglang-cpu
 
-# The suite without the tests marked slow (real SGLang servers on SmolLM2, the served demo, the serving
-# benchmark's run): ~10 minutes on 2 cores. test-slow runs those (~10 minutes); CI runs both.
+# The suite without the tests marked slow (real SGLang servers: SmolLM2 and tiny models, the served
+# demo): ~8 minutes on 2 cores. test-slow runs those (~10 minutes); CI runs both.
 test: $(SGLANG_INSTALLED)
 	$(PY) -m pytest -q -m "not slow" tests
 

@@ -14,8 +14,6 @@ import pytest
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed (the benchmark drives SGLang servers)", allow_module_level=True)
 
-pytestmark = pytest.mark.slow
-
 from bench import bench_serving as bs  # noqa: E402  (after the skip: it imports what SGLang brings)
 
 
