@@ -9,7 +9,7 @@
 #      SGLang 0.5.23 pins and our extension is built against) only when VENV has no torch;
 #   2. `pip install --no-deps sglang==0.5.23` (the full dependency set is ~11 GB of CUDA wheels);
 #   3. `pip install --no-deps` of a frozen list of the pure runtime dependencies SGLang needs to
-#      import and serve on CPU (research/sglang-0.5.23-cpu-lite-requirements.txt). A package that
+#      import and serve on CPU (found as step 3's comment says). A package that
 #      VENV already has is kept at its installed version (so the project's own environment is not
 #      downgraded), except the few that SGLang pins exactly, which are forced to its pin;
 #   4. the torchvision matching the installed torch, `--no-deps` (SGLang imports
@@ -21,6 +21,8 @@
 #      it does on a stock `pip install sglang`); every other name (and every
 #      `sgl_kernel.<submodule>`) is a placeholder that raises NotImplementedError when called. A
 #      real sgl_kernel already in VENV is left alone.
+#   6. `pip install --no-deps sglang-router==0.3.2`, SGLang's router (its dependencies are in the
+#      list of step 3), for several servers behind one address.
 #
 # Nothing of SGLang is edited. The stand-ins are written by this script into VENV only.
 # Run SGLang on CPU with SGLANG_USE_CPU_ENGINE=1 (see docs/serving.md). NEVER use this on a GPU
@@ -73,7 +75,7 @@ if [ "$have_sglang" != 1 ]; then
 fi
 
 # 3. the runtime dependencies (frozen: found by iterating on import errors, then verified by
-#    serving a model on CPU; see research/sglang-on-cpu.md)
+#    serving a model on CPU)
 PINS=$(cat <<'EOF'
 aiohappyeyeballs==2.7.1
 aiohttp==3.14.5
@@ -347,6 +349,13 @@ def _raise_attribute_error(attr):
 if not any(isinstance(f, _SubmoduleFinder) for f in sys.meta_path):
     sys.meta_path.append(_SubmoduleFinder())
 EOF
+fi
+
+# 6. SGLang's router, for several servers behind one address (pure dependencies: in the list above)
+ROUTER_SPEC=sglang-router==0.3.2
+if ! "$PY" -c "import sglang_router" >/dev/null 2>&1; then
+  echo "[install_sglang_cpu] installing $ROUTER_SPEC --no-deps"
+  "${PIP[@]}" --no-deps "$ROUTER_SPEC"
 fi
 
 # check

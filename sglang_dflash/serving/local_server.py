@@ -136,14 +136,18 @@ class LocalServer:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def ready(self) -> bool:
-        """Whether /health_generate answers now (a real forward pass); raises with the log's tail
-        when the process has exited or could not bind its port."""
+    def _raise_if_failed(self) -> None:
+        """Raises with the log's tail when the process has exited or could not bind its port."""
         if self.proc.poll() is not None:
             raise ServerStartError(self, f"{self.name} server exited ({self.proc.returncode}):\n"
                                          f"{self.text()[-4000:]}")
-        if "address already in use" in self.text():  # uvicorn could not bind, yet the process stays
+        if "address already in use" in self.text().lower():  # uvicorn could not bind, yet the process stays
             raise ServerStartError(self, f"{self.name} server: port {self.port} taken:\n{self.text()[-4000:]}")
+
+    def ready(self) -> bool:
+        """Whether /health_generate answers now (a real forward pass); raises with the log's tail
+        when the process has exited or could not bind its port."""
+        self._raise_if_failed()
         try:
             with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
                 return r.status == 200
@@ -254,6 +258,29 @@ class LocalServer:
             return True
         except ProcessLookupError:
             return False
+
+
+class LocalRouter(LocalServer):
+    """SGLang's router (the sglang-router package) on 127.0.0.1:port in front of `workers`."""
+
+    def __init__(self, name: str, workers: list[LocalServer], port: int, log_path: Path, policy: str = "cache_aware"):
+        self.workers = workers
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                "--policy", policy, "--worker-urls", *(w.url for w in workers)]
+        super().__init__(name, args, dict(os.environ), log_path)
+
+    def ready(self) -> bool:
+        """Whether the router lists every worker as healthy. It answers /health at once but registers
+        its workers in the background, and until then answers requests with 503
+        no_available_workers."""
+        self._raise_if_failed()
+        try:
+            with urllib.request.urlopen(self.url + "/workers", timeout=30) as r:
+                listed = json.loads(r.read()).get("workers", [])
+        except OSError:
+            return False
+        healthy = {w.get("url") for w in listed if w.get("is_healthy")}
+        return all(w.url in healthy for w in self.workers)
 
 
 def wait_all_ready(servers: list[LocalServer], deadline: float, on_ready=None) -> None:
