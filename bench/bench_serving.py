@@ -2,8 +2,8 @@
 speculation, side by side on this machine, through the HTTP API a user calls.
 
 All server configurations run side by side on 127.0.0.1, each started (one after the other) with
---sleep-on-idle (launch_args adds it), so a server waiting for its turn sleeps (~1.5 % of a core; without the flag an
-idle SGLang scheduler spins a whole core) and warmed up with one request. Then every level's
+--sleep-on-idle (launch_args adds it), so a server waiting for its turn sleeps (~1.5 % of a core;
+without the flag an idle SGLang scheduler spins a whole core) and warmed up with one request. Then every level's
 requests go in rounds: each server in turn (which one first rotates per round) gets the round's c
 requests at once and finishes them before the next server's turn, so a slow spell of this 2-core
 VM falls on all servers alike. (Run one server after another, its speed drifted by up to 1.7x

@@ -9,7 +9,7 @@
 #      SGLang 0.5.23 pins and our extension is built against) only when VENV has no torch;
 #   2. `pip install --no-deps sglang==0.5.23` (the full dependency set is ~11 GB of CUDA wheels);
 #   3. `pip install --no-deps` of a frozen list of the pure runtime dependencies SGLang needs to
-#      import and serve on CPU (found as step 3's comment says). A package that
+#      import and serve on CPU (found by iterating on import errors). A package that
 #      VENV already has is kept at its installed version (so the project's own environment is not
 #      downgraded), except the few that SGLang pins exactly, which are forced to its pin;
 #   4. the torchvision matching the installed torch, `--no-deps` (SGLang imports

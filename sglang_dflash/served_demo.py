@@ -87,11 +87,6 @@ def _start(servers: list) -> None:
                          f"{_log_tail(e.server)}") from None
 
 
-def _stop(servers: list) -> None:
-    for server in servers:
-        server.stop()
-
-
 def _time_prompts(server, texts: list[str], max_new_tokens: int) -> ServedRun:
     """One warm-up request, then the prompts one at a time, timed. An idle server sleeps
     (--sleep-on-idle), so the other one costs nothing while this one is timed."""
@@ -122,7 +117,7 @@ def _check_sglang() -> None:
 def run_served_demo(max_new_tokens: int) -> int:
     from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
     from sglang_dflash.engine.packaged import packaged_model_dir
-    from sglang_dflash.serving.local_server import LocalServer, free_port, launch_args, server_env
+    from sglang_dflash.serving.local_server import LocalServer, free_port, launch_args, server_env, stop_all
 
     try:
         _check_sglang()
@@ -142,7 +137,7 @@ def run_served_demo(max_new_tokens: int) -> int:
                 _start(servers)
                 plain, dflash = [_time_prompts(server, texts, max_new_tokens) for server in servers]
             finally:
-                _stop(servers)
+                stop_all(servers)
     except DemoFailed as e:
         _say(f"[demo] FAILED: {e}")
         return 1

@@ -16,7 +16,7 @@ def test_a_server_that_fails_to_start_is_named_with_its_log_and_everything_is_st
     """Stand-in processes, not SGLang (what is tested is the demo's handling): the plain one would
     never answer, the DFLASH one exits at once. The wait ends on the exit, not at the deadline, names
     the DFLASH server with its log's tail, and the demo stops both."""
-    from sglang_dflash.serving.local_server import LocalServer
+    from sglang_dflash.serving.local_server import LocalServer, stop_all
 
     never_ready = [sys.executable, "-c", "import time; time.sleep(300)", "--port", "1"]
     dies = [sys.executable, "-c", "print('cannot load the model'); raise SystemExit(3)", "--port", "2"]
@@ -26,7 +26,7 @@ def test_a_server_that_fails_to_start_is_named_with_its_log_and_everything_is_st
         with pytest.raises(served_demo.DemoFailed) as failed:
             served_demo._start(servers)
     finally:
-        served_demo._stop(servers)
+        stop_all(servers)
     message = str(failed.value)
     assert message.startswith("the DFLASH server did not start: DFLASH server exited (3)")
     assert "cannot load the model" in message and str(tmp_path / "DFLASH.log") in message

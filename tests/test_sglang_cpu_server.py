@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dflash.serving.local_server import LocalServer, free_port, launch_args, server_env
+from sglang_dflash.serving.local_server import LocalServer, all_ready, free_port, launch_args, server_env
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip(
@@ -129,14 +129,8 @@ def servers(tmp_path_factory):
     env = _env(tmp)
     spec = LocalServer("dflash", _launch_args(target, free_port(), draft), env, tmp / "dflash.log")
     base = LocalServer("baseline", _launch_args(target, free_port(), None), env, tmp / "baseline.log")
-    try:
-        deadline = time.time() + STARTUP_TIMEOUT
-        spec.wait_ready(deadline)
-        base.wait_ready(deadline)
+    with all_ready(spec, base, startup_timeout=STARTUP_TIMEOUT):
         yield spec, base
-    finally:
-        spec.stop()
-        base.stop()
 
 
 # -- tests ------------------------------------------------------------------------------------

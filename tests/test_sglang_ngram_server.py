@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ if importlib.util.find_spec("sglang") is None:
                 allow_module_level=True)
 
 from sglang_dflash.engine.packaged import packaged_model_dir
-from sglang_dflash.serving.local_server import LocalServer, free_port, launch_args, server_env
+from sglang_dflash.serving.local_server import LocalServer, all_ready, free_port, launch_args, server_env
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +46,7 @@ def _chat(target: Path) -> list[str]:
 def _serve(name: str, target: Path, tmp: Path, prompts: list[str], extra=(), **env: str) -> dict:
     server = LocalServer(name, launch_args(target, free_port(), extra=["--max-total-tokens", "4096", *extra]),
                          server_env(tmp, OMP_NUM_THREADS="2", **env), tmp / f"{name}.log")
-    try:
-        server.wait_ready(time.time() + STARTUP_TIMEOUT)
+    with all_ready(server, startup_timeout=STARTUP_TIMEOUT):
 
         def generate(text):
             body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}}
@@ -58,8 +56,6 @@ def _serve(name: str, target: Path, tmp: Path, prompts: list[str], extra=(), **e
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             together = list(pool.map(generate, prompts))
         return dict(alone=alone, together=together, log=server.text())
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,14 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed (scripts/install_sglang_cpu.sh VENV installs it beside the package)",
                 allow_module_level=True)
 
-from sglang_dflash.serving.local_server import LocalServer, free_port, launch_args, server_env, sse_chunks
+from sglang_dflash.serving.local_server import (
+    LocalServer,
+    all_ready,
+    free_port,
+    launch_args,
+    server_env,
+    sse_chunks,
+)
 from tests.test_sglang_cpu_server import make_models
 
 pytestmark = pytest.mark.slow
@@ -58,11 +65,8 @@ def setup(tmp_path_factory):
 def _server(setup, name: str, port: int | None = None):
     tmp, target, draft, env = setup
     server = LocalServer(name, _args(target, draft, port or free_port()), env, tmp / f"{name}.log")
-    try:
-        server.wait_ready(time.time() + STARTUP_TIMEOUT)
+    with all_ready(server, startup_timeout=STARTUP_TIMEOUT):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

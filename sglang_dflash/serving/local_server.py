@@ -304,6 +304,11 @@ def wait_all_ready(servers: list[LocalServer], deadline: float, on_ready=None) -
         time.sleep(2)
 
 
+def stop_all(servers) -> None:
+    for server in servers:
+        server.stop()
+
+
 @contextlib.contextmanager
 def all_ready(*servers: LocalServer, startup_timeout: float):
     """`servers` once all answer (wait_all_ready); stops them all on exit, also when one fails to
@@ -312,8 +317,7 @@ def all_ready(*servers: LocalServer, startup_timeout: float):
         wait_all_ready(list(servers), time.time() + startup_timeout)
         yield servers
     finally:
-        for server in servers:
-            server.stop()
+        stop_all(servers)
 
 
 def sigterm_in_flight(server: LocalServer, texts: list[str], max_new_tokens: int = 96) -> dict:
