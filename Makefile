@@ -22,7 +22,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip setuptools wheel ninja
 
-# The times are a fresh 2-core machine's (make demo took 345 s there, this install 188 s of it).
+# The times printed below are rough ones, for a fresh 2-core machine.
 install: $(PY)
 	@echo "[install] torch and transformers (about 1-2 min; torch is a CUDA build of ~5 GB)"
 	$(PY) -m pip install "$(TORCH_SPEC)" "$(TRANSFORMERS_SPEC)"
