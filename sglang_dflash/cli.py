@@ -45,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat-template", action="store_true", help="tokenize text prompts as they are")
     g.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
     g.add_argument("--adaptive", action="store_true",
-                   help="choose each step's block size (up to B) from measured acceptance and step times")
+                   help="choose each step's block size (up to B) from measured acceptance and step times, "
+                        "starting from what the last --adaptive run of the same target, drafter, options and "
+                        "machine learned (kept under --cache-dir)")
+    g.add_argument("--fresh-adaptive", action="store_true",
+                   help="with --adaptive: learn from nothing, and keep nothing for the next run")
     g.add_argument("--tree-budget", type=int, metavar="N",
                    help="verify a tree of N drafted tokens a step instead of a chain (the drafter's --tree-topk "
                         "best tokens at each of the B - 1 positions, grown best first; 0: a chain); with --adaptive, "
@@ -74,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop-token-ids", type=_int_list("--stop-token-ids"), help="default: the target's EOS ids")
-    g.add_argument("--cache-dir", help="where packaged models are converted (default: "
-                                       "$SGLANG_DFLASH_CACHE or ~/.cache/sglang_dflash)")
+    g.add_argument("--cache-dir", help="where packaged models are converted and --adaptive keeps what it learned "
+                                       "(default: $SGLANG_DFLASH_CACHE or ~/.cache/sglang_dflash)")
     _add_torch_options(g)
     g.add_argument("--json", action="store_true",
                    help="print one JSON object: per request prompt_ids, output_ids (the prefill token, then "
@@ -240,6 +244,7 @@ def generate(args: argparse.Namespace) -> int:
     from sglang_dflash.drafters import resolve_draft
     from sglang_dflash.engine import Generator, HFTarget, SamplingParams, load_drafter
     from sglang_dflash.engine.drafters import NoDrafter
+    from sglang_dflash.engine.packaged import default_cache_dir
 
     if not args.prompt and not args.prompt_ids:
         raise ValueError("give at least one --prompt or --prompt-ids")
@@ -268,8 +273,10 @@ def generate(args: argparse.Namespace) -> int:
     if tree_budget is None:
         adaptive_trees = args.adaptive and args.draft
         tree_budget = default_tree_budget(most_tree_nodes(block_size, args.tree_topk)) if adaptive_trees else 0
+    state_dir = None if args.fresh_adaptive else (args.cache_dir or default_cache_dir())
     results = Generator(target, drafter, block_size, adaptive=args.adaptive, tree_budget=tree_budget,
-                        tree_topk=args.tree_topk, tree_min_prob=tree_min_prob).generate(
+                        tree_topk=args.tree_topk, tree_min_prob=tree_min_prob,
+                        adaptive_state_dir=state_dir if args.adaptive and args.draft else None).generate(
         args.prompt + args.prompt_ids, params, chat=not args.no_chat_template)
 
     if args.json:

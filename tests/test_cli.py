@@ -48,7 +48,7 @@ def test_generate_json_lists_the_adaptive_block_size_decisions(tmp_path):
     save_draft(random_draft(target, block_size=4), tmp_path / "draft")
     proc = run_cli("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--adaptive",
                    "--tree-budget", "0", "--prompt-ids", "3,4,5,6", "--max-new-tokens", "24",
-                   "--stop-token-ids", str(STOP_TOKEN), "--json")
+                   "--stop-token-ids", str(STOP_TOKEN), "--json", "--cache-dir", str(tmp_path / "cache"))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout, parse_constant=strict_json_constant)
     assert out["tree_budget"] == 0
@@ -70,7 +70,8 @@ def test_adaptive_generation_plays_trees_by_default(tmp_path):
     target.model.save_pretrained(tmp_path / "target")
     save_draft(random_draft(target, block_size=4), tmp_path / "draft")
     proc = run_cli("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--adaptive",
-                   "--prompt-ids", "3,4,5,6", "--max-new-tokens", "40", "--stop-token-ids", str(STOP_TOKEN), "--json")
+                   "--prompt-ids", "3,4,5,6", "--max-new-tokens", "40", "--stop-token-ids", str(STOP_TOKEN), "--json",
+                   "--cache-dir", str(tmp_path / "cache"))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout, parse_constant=strict_json_constant)
     assert (out["tree_budget"], out["tree_topk"]) == (15, 4)
@@ -79,6 +80,34 @@ def test_adaptive_generation_plays_trees_by_default(tmp_path):
     played = [d["tree_budget"] for d in req["block_size_decisions"]]
     assert 3 in played and 0 in played and set(played) <= {0, 3, 7, 15}
     assert len(req["tree_steps"]) == len(played) - played.count(0)
+
+
+def test_adaptive_runs_start_from_what_the_last_one_learned(tmp_path):
+    """The second --adaptive run of the same configuration starts from the state the first saved
+    under --cache-dir (no first tries), and the greedy output is the same; --fresh-adaptive learns
+    from nothing again and leaves the saved state as it was."""
+    target = tiny_target("qwen3")
+    target.model.save_pretrained(tmp_path / "target")
+    save_draft(random_draft(target, block_size=4), tmp_path / "draft")
+    want = hf_greedy(target, [3, 4, 5, 6], 24, STOP_TOKEN)
+
+    def run(*extra: str) -> list[dict]:
+        proc = run_cli("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--adaptive",
+                       "--tree-budget", "0", "--prompt-ids", "3,4,5,6", "--max-new-tokens", "24",
+                       "--stop-token-ids", str(STOP_TOKEN), "--json", "--cache-dir", str(tmp_path / "cache"), *extra)
+        assert proc.returncode == 0, proc.stderr
+        (req,) = json.loads(proc.stdout)["requests"]
+        assert req["output_ids"] == want
+        return req["block_size_decisions"]
+
+    assert run()[0]["why"] == "first try"
+    (saved,) = (tmp_path / "cache" / "adaptive").glob("*.pkl")
+    learned = saved.read_bytes()
+    assert all(d["why"] != "first try" for d in run())
+    assert saved.read_bytes() != learned  # the second run saved what it learned on top
+    learned = saved.read_bytes()
+    assert run("--fresh-adaptive")[0]["why"] == "first try"
+    assert saved.read_bytes() == learned
 
 
 def test_generate_json_lists_the_tree_steps(tmp_path):

@@ -26,6 +26,7 @@ import hashlib
 import math
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -40,6 +41,7 @@ from sglang_dflash.control.tree import (
     check_tree_options,
     path_rows,
 )
+from sglang_dflash.engine import controller_state
 from sglang_dflash.engine.drafters import DraftSampling
 from sglang_dflash.engine.target import HFTarget
 from sglang_dflash.ops import check_device_errors, verify_block, verify_tree
@@ -183,10 +185,14 @@ class Generator:
     `tree_budget` > 0: verify trees of up to that many drafted nodes, `tree_topk` choices per
     position, at most block_size - 1 deep, greedy ones without the nodes of a path probability
     below `tree_min_prob` (control/tree.py), instead of chains; with `adaptive`, such trees of at
-    most that many nodes or chains, step by step."""
+    most that many nodes or chains, step by step. `adaptive_state_dir`: an adaptive generator
+    starts from what the last one of the same configuration learned, saved there after each
+    `generate` (engine/controller_state.py; the CLI's default: the package cache), instead of
+    from nothing."""
 
     def __init__(self, target: HFTarget, drafter, block_size: int, adaptive: bool = False, tree_budget: int = 0,
-                 tree_topk: int = DEFAULT_TREE_TOPK, tree_min_prob: float = DEFAULT_TREE_MIN_PROB):
+                 tree_topk: int = DEFAULT_TREE_TOPK, tree_min_prob: float = DEFAULT_TREE_MIN_PROB,
+                 adaptive_state_dir: str | Path | None = None):
         max_b = getattr(drafter, "max_block_size", None)
         if block_size < 1 or (max_b is not None and block_size > max_b):
             raise ValueError(f"block_size must be in [1, {max_b or 'inf'}] for this drafter, got {block_size}")
@@ -199,9 +205,16 @@ class Generator:
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.tree_budget, self.tree_topk, self.tree_min_prob = tree_budget, tree_topk, tree_min_prob
         self.controller = None
+        self._state_file = None  # (path, configuration) of the adaptive state kept between processes
         if adaptive:
-            budgets = tree_budgets_up_to(tree_budget) if tree_budget else []
-            self.controller = ChainOrTreeController(BlockSizeController(block_size), budgets)
+            if adaptive_state_dir is not None:
+                config = controller_state.configuration(target, drafter, block_size, tree_budget, tree_topk,
+                                                        tree_min_prob)
+                self._state_file = (controller_state.state_path(config, adaptive_state_dir), config)
+                self.controller = controller_state.load(*self._state_file)
+            if self.controller is None:
+                budgets = tree_budgets_up_to(tree_budget) if tree_budget else []
+                self.controller = ChainOrTreeController(BlockSizeController(block_size), budgets)
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams = SamplingParams(),
                  chat: bool = True, seeds: list[int] | None = None) -> list[GenerationResult]:
@@ -209,6 +222,8 @@ class Generator:
         run = self.start(prompts, params, chat, seeds)
         while run.step():
             pass
+        if self._state_file is not None:
+            controller_state.save(self._state_file[0], self._state_file[1], self.controller)
         return run.results
 
     def start(self, prompts: list[str] | list[list[int]], params: SamplingParams = SamplingParams(),
