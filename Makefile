@@ -111,7 +111,7 @@ bench-serving: $(INSTALLED)
 # bench/results/soak_smollm2-135m.json.
 SOAK_REQUESTS ?= 1000
 # The engine's --adaptive (from the state earlier runs saved, and fresh) against plain and every
-# fixed block size, batches of 1, 3 and 8, greedy and T = 0.7, in lock-step rounds (~15 minutes):
+# fixed block size, batches of 1, 3 and 8, greedy and T = 0.7, in 5 lock-step rounds (~20 minutes):
 # bench/results/adaptive_engine_cpu.json.
 bench-adaptive: $(INSTALLED)
 	$(PY) -m bench.bench_adaptive

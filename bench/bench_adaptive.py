@@ -17,7 +17,7 @@ median over rounds of each configuration, and adaptive / best fixed as the media
 the paired ratio (the best fixed block size by median, timed in the same round); the same for
 the fresh adaptive run.
 
-    python -m bench.bench_adaptive [--batch-sizes 1 3 8] [--temperatures 0 0.7] [--rounds 3]
+    python -m bench.bench_adaptive [--batch-sizes 1 3 8] [--temperatures 0 0.7] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--fixed", type=int, nargs="+", default=[2, 3, 4, 6, 8], help="fixed block sizes")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "adaptive_engine_cpu.json")
     args = parser.parse_args()
 

@@ -60,9 +60,10 @@ def test_drafts_stay_in_the_vocabulary_and_output_is_unchanged(target):
     target.set_taps(draft.config.target_layer_ids)
     _, taps = target.prefill(prompts)
     anchors, starts = torch.tensor([22, 41]), torch.tensor([5, 4])
-    for d in (full, everything, restricted):
+    proposals = []
+    for d in (full, everything, restricted):  # one after the other: the three share one draft model and its cache
         d.start(taps, [64, 64])
-    proposals = [d.propose([0, 1], anchors, starts, 8) for d in (full, everything, restricted)]
+        proposals.append(d.propose([0, 1], anchors, starts, 8))
     assert torch.equal(proposals[0], proposals[1]), "the whole vocabulary must draft as no vocabulary does"
     assert bool((proposals[2] % 3 == 0).all()), "drafts outside the draft vocabulary"
     for drafter in (full, restricted):

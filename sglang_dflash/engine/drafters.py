@@ -65,8 +65,9 @@ class DFlashDrafter:
     def start(self, taps: list[torch.Tensor], capacities: list[int]) -> None:
         cache = self.model.allocate_cache(sum(capacities), len(taps), max(capacities))
         self._rows = {i: cache.add_request() for i in range(len(taps))}
-        self._pending.clear()
-        self.model.append_context(list(self._rows.values()), [t.shape[0] for t in taps], torch.cat(taps))
+        # The prompts' context waits for the first propose too: where the adaptive block size plays
+        # only plain steps (large batches, text the drafter misses), it is never computed.
+        self._pending = {i: [t] for i, t in enumerate(taps)}
 
     @property
     def vocab_size(self) -> int:
