@@ -19,18 +19,18 @@ read a torn file (the last one to finish wins).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import pickle
 import platform
 import tempfile
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from sglang_dflash import __version__
 from sglang_dflash.control.chain_or_tree import ChainOrTreeController
-from sglang_dflash.engine.packaged import default_cache_dir
 
 # Bump when the controllers' attributes change meaning: older files are then ignored.
 STATE_VERSION = 1
@@ -48,22 +48,20 @@ def _machine(device: torch.device) -> str:
 
 
 def _weights_fingerprint(module: torch.nn.Module) -> list[float]:
-    """A cheap fingerprint of a module's weights (a retrained drafter accepts other drafts)."""
+    """A cheap fingerprint of a module's weights (a retrained drafter accepts other drafts): the
+    sums of its first 64 parameters."""
     with torch.no_grad():
-        return [round(float(p.detach().float().sum()), 3) for p in module.parameters()][:64]
+        return [round(float(p.detach().float().sum()), 3) for p in itertools.islice(module.parameters(), 64)]
 
 
 def configuration(target, drafter, block_size: int, tree_budget: int, tree_topk: int,
                   tree_min_prob: float) -> dict:
-    """Everything a learned state depends on, as plain JSON values."""
+    """Everything a learned state depends on, as plain JSON values (what a saved file holds, so
+    the two compare equal)."""
     draft_model = drafter.model
-    try:
-        version = metadata.version("sglang-dflash")
-    except metadata.PackageNotFoundError:
-        version = "source"
-    return {
+    config = {
         "state_version": STATE_VERSION,
-        "package": version,
+        "package": __version__,
         "machine": _machine(target.device),
         "target": {"config": target.model.config.to_dict(), "dtype": str(target.lm_head_weight.dtype),
                    "device": target.device.type},
@@ -74,11 +72,12 @@ def configuration(target, drafter, block_size: int, tree_budget: int, tree_topk:
         "block_size": block_size,
         "trees": {"budget": tree_budget, "topk": tree_topk, "min_prob": tree_min_prob} if tree_budget else None,
     }
+    return json.loads(json.dumps(config, default=str))  # e.g. a config's torch dtype, as its name
 
 
-def state_path(config: dict, cache_dir: str | Path | None = None) -> Path:
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return Path(cache_dir or default_cache_dir()) / "adaptive" / f"{digest}.pkl"
+def state_path(config: dict, cache_dir: str | Path) -> Path:
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(cache_dir) / "adaptive" / f"{digest}.pkl"
 
 
 def load(path: Path, config: dict) -> ChainOrTreeController | None:
@@ -86,11 +85,9 @@ def load(path: Path, config: dict) -> ChainOrTreeController | None:
     try:
         with open(path, "rb") as f:
             saved = pickle.load(f)
-    except FileNotFoundError:
+    except Exception:  # noqa: BLE001 - a missing, torn, foreign or stale file is ignored (and replaced)
         return None
-    except Exception:  # noqa: BLE001 - a torn, foreign or stale file is ignored and replaced
-        return None
-    if (not isinstance(saved, dict) or saved.get("config") != json.loads(json.dumps(config, default=str))
+    if (not isinstance(saved, dict) or saved.get("config") != config
             or not isinstance(saved.get("controller"), ChainOrTreeController)):
         return None
     return saved["controller"]
@@ -98,7 +95,7 @@ def load(path: Path, config: dict) -> ChainOrTreeController | None:
 
 def save(path: Path, config: dict, controller: ChainOrTreeController) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"config": json.loads(json.dumps(config, default=str)), "controller": controller}
+    payload = {"config": config, "controller": controller}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
