@@ -108,8 +108,10 @@ bench-serving: $(INSTALLED)
 
 # SOAK_REQUESTS varied requests and faults against a DFLASH server (needs SGLang), then: nothing lost,
 # no KV slot leaked, flat memory per server process, greedy equal to a plain server, clean SIGTERM ->
-# bench/results/soak_smollm2-135m.json.
+# bench/results/soak_smollm2-135m.json. SOAK_PARITY_REQUESTS caps the greedy answers replayed on each plain
+# server (evenly spread over the run; unset: all). 5,000 requests take about 95 minutes here.
 SOAK_REQUESTS ?= 1000
+SOAK_PARITY_REQUESTS ?=
 # The engine's --adaptive (from the state earlier runs saved, and fresh) against plain and every
 # fixed block size, batches of 1, 3 and 8, greedy and T = 0.7, in 5 lock-step rounds (~20 minutes):
 # bench/results/adaptive_engine_cpu.json.
@@ -117,7 +119,7 @@ bench-adaptive: $(INSTALLED)
 	$(PY) -m bench.bench_adaptive
 
 soak: $(INSTALLED)
-	$(PY) -m bench.soak_serving --requests $(SOAK_REQUESTS)
+	$(PY) -m bench.soak_serving --requests $(SOAK_REQUESTS) $(if $(SOAK_PARITY_REQUESTS),--parity-requests $(SOAK_PARITY_REQUESTS))
 
 # On a GPU machine, in <= 8 minutes: environment, CUDA build, smoke test, cuda tests, sanitizers,
 # kernel benchmark -> summary.json, logs.tar.gz, junit.tar.gz, bench_kernels.json in $(GPU_CHECK_OUT).

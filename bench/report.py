@@ -56,7 +56,8 @@ MANIFEST = {
     "serving_smollm2-135m.json": Entry(
         "make bench-serving", "SGLang servers on the CPU side by side: plain and DFLASH configurations",
         ("serving_smollm2-135m.png",)),
-    "soak_smollm2-135m.json": Entry("make soak", "a DFLASH server under 1,000 varied requests and faults"),
+    "soak_smollm2-135m.json": Entry("make soak SOAK_REQUESTS=5000 SOAK_PARITY_REQUESTS=500",
+                                    "a DFLASH server under thousands of varied requests and faults"),
     "adaptive_engine_cpu.json": Entry(
         "make bench-adaptive", "engine, CPU: the adaptive block size against every fixed one, batches of 1-8"),
     "engine_cpu.json": Entry(
@@ -279,7 +280,8 @@ def soak_parity_rows(parity: dict) -> list[list[str]]:
             p = by_reference[reference]
             margins = ", ".join(f"{d['request']} at token {d['position']} (fp32 margin {num(d['margin'], 3)})"
                                 for d in p["divergences"] if d.get("margin") is not None)
-            rows.append([label, f"{p['equal']} of {p['compared']} ({p['near_ties']} near-ties)"
+            replayed = f", replayed from {p['greedy_answered']} greedy answers" if p.get("greedy_answered") else ""
+            rows.append([label, f"{p['equal']} of {p['compared']} ({p['near_ties']} near-ties{replayed})"
                                 + (f"; differing: {margins}" if margins else "")])
     return rows
 
@@ -344,6 +346,19 @@ def serving_table(results: Results, name: str = "serving_smollm2-135m.json") -> 
     return text, summary
 
 
+def soak_memory_rows(memory: dict) -> list[list[str]]:
+    """Each server process's resident memory: its growth after the warm-up and its trend over the
+    run's second half (soak_serving.memory_growth; results from before it hold neither)."""
+    rows = []
+    for process, growth in memory.get("growth_by_process", {}).items():
+        parts = [f"{num(v, 1)} MB {what}" for key, what in (
+            ("growth_after_steady_mb", "from request 1,000 to the end"),
+            ("mb_per_250_second_half", "per 250 requests over the second half")) if (v := growth.get(key)) is not None]
+        if parts:
+            rows.append([f"`{process}` resident memory", "; ".join(parts)])
+    return rows
+
+
 def soak_section(results: Results) -> str:
     name = "soak_smollm2-135m.json"
     data = results[name]
@@ -358,7 +373,8 @@ def soak_section(results: Results) -> str:
         ["clients", f"{setup['clients']} (bursts of {setup['burst_size']})"],
         ["decode tokens by step kind", ", ".join(f"{k} {v:,}" for k, v in mix.items())],
         *soak_parity_rows(parity),
-        ["resident memory growth", f"{num(data['resident_memory']['growth_mb'], 0)} MB"],
+        ["resident memory growth, all server processes", f"{num(data['resident_memory']['growth_mb'], 0)} MB"],
+        *soak_memory_rows(data["resident_memory"]),
         ["SIGTERM with requests streaming",
          f"{shutdown['in_flight']} in flight, {shutdown['clients_hung']} clients hung, "
          f"exit in {num(shutdown['seconds_to_exit'], 1)} s"],
@@ -574,7 +590,7 @@ def summary_section(results: Results) -> str:
          f"1 client {num(one[0], 1)} tok/s ({num(one[1], suffix='x')} stock plain SGLang, "
          f"{num(one[2], suffix='x')} plain with the plugin); 4 clients {num(four[1], suffix='x')} / "
          f"{num(four[2], suffix='x')}", link("serving_smollm2-135m.json")],
-        ["SGLang server, CPU: 1,000 varied requests and faults",
+        [f"SGLang server, CPU: {soak['setup']['requests']:,} varied requests and faults",
          f"{sum(soak['checks'].values())} of {len(soak['checks'])} checks pass", link("soak_smollm2-135m.json")],
         ["H200: `verify_block` over torch (greedy argmax / sampled T = 1)",
          f"{speedups('verify_block', 'greedy', 'torch_argmax_accept')} / "

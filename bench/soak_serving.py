@@ -34,8 +34,8 @@ and the fp32 target's logit margin at the first differing token (near-ties: |mar
 
 Writes bench/results/soak_<target>.json (provenance: bench/provenance.py).
 
-    python -m bench.soak_serving [--requests 1000] [--clients 12] [--time-limit 3600] [--out PATH]
-    make soak SOAK_REQUESTS=5000
+    python -m bench.soak_serving [--requests 1000] [--clients 12] [--parity-requests N] [--out PATH]
+    make soak SOAK_REQUESTS=5000 SOAK_PARITY_REQUESTS=500
 """
 
 from __future__ import annotations
@@ -439,9 +439,10 @@ def greedy_parity(args, target: Path, specs: list[Spec], results: list, tmp: Pat
     """The greedy requests that DFLASH answered, sent again (not streamed) to a plain server: with the
     plugin active (`reference` PLUGIN_REFERENCE) or stock SGLang (REFERENCE); differing answers get
     the fp32 logit margin at their first differing token."""
-    todo = [(s, r) for s, r in zip(specs, results, strict=True)
-            if s.greedy and r is not None and r["status"] == 200 and isinstance(r["answer"], dict)
-            and "output_ids" in r["answer"]]
+    answered = [(s, r) for s, r in zip(specs, results, strict=True)
+                if s.greedy and r is not None and r["status"] == 200 and isinstance(r["answer"], dict)
+                and "output_ids" in r["answer"]]
+    todo = spread(answered, args.parity_requests)
     env = server_env(tmp) if reference == PLUGIN_REFERENCE else server_env(tmp, SGLANG_DFLASH_DISABLE="1")
     plain = LocalServer(reference, launch_args(target, free_port(), extra=extra), env, tmp / f"{reference}.log")
     try:
@@ -468,8 +469,17 @@ def greedy_parity(args, target: Path, specs: list[Spec], results: list, tmp: Pat
                                 "dflash": ours[pos:pos + 1], "prefix": theirs["output_ids"][:pos], "spec": spec})
     add_fp32_margins(divergences, target, tokenizer)
     near = [d for d in divergences if d.get("margin") is not None and abs(d["margin"]) <= args.near_tie]
-    return {"compared": len(todo), "equal": len(todo) - len(divergences), "near_ties": len(near),
+    return {"greedy_answered": len(answered), "compared": len(todo), "equal": len(todo) - len(divergences),
+            "near_ties": len(near),
             "divergences": [{k: v for k, v in d.items() if k not in ("spec", "prefix")} for d in divergences]}
+
+
+def spread(items: list, count: int | None) -> list:
+    """At most `count` of `items` (all when count is None), evenly spaced over the whole list, so a
+    capped replay still covers the run's start, middle and end."""
+    if count is None or count >= len(items):
+        return items
+    return [items[i * len(items) // count] for i in range(count)]
 
 
 def add_fp32_margins(divergences: list[dict], target: Path, tokenizer) -> None:
@@ -583,7 +593,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-growth-per-250-mb", type=float, default=2,
                         help=f"largest mean growth of any server process per {SAMPLE_EVERY} requests, second half")
     parser.add_argument("--no-parity", action="store_true", help="skip the plain servers' greedy replays")
-    parser.add_argument("--time-limit", type=float, default=3600, help="seconds of sending; then it stops")
+    parser.add_argument("--parity-requests", type=int,
+                        help="replay at most this many greedy answers (evenly spread over the run) on each plain "
+                             "server; default: all of them")
+    parser.add_argument("--time-limit", type=float, help="seconds of sending, then it stops; default: no limit")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -615,7 +628,8 @@ def main() -> None:
     try:
         server.wait_ready(time.time() + STARTUP_TIMEOUT)
         sample(0)
-        results = run_requests(server, specs, args.clients, args.burst_size, time.time() + args.time_limit, sample)
+        deadline = math.inf if args.time_limit is None else time.time() + args.time_limit
+        results = run_requests(server, specs, args.clients, args.burst_size, deadline, sample)
         if server.proc.poll() is not None:
             raise SystemExit(f"the DFLASH server died during the soak:\n{server.text()[-4000:]}")
         idle = idle_state(server)
@@ -645,7 +659,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     setup = {"target": str(target), "draft": str(draft), "server_args": extra, "requests": args.requests,
              "clients": args.clients, "burst_size": args.burst_size, "seed": args.seed,
-             "time_limit_s": args.time_limit, "log_dir": str(tmp),
+             "time_limit_s": args.time_limit, "parity_requests": args.parity_requests, "log_dir": str(tmp),
              "rss_growth_note": "growth from the first sample after 250 requests to the end (the first "
                                 "requests fill allocator pools and caches)"}
     out.write_text(json.dumps({"provenance": info, "setup": setup, "checks": checks, "summary": summary,

@@ -202,3 +202,13 @@ def test_greedy_parity_must_be_exact_against_the_plugins_plain_server_and_is_onl
     checks = soak.verdicts(summary, idle, rss, True, shutdown, parity(9, 10), args)
     assert not checks[name]  # a near-tie against the plugin's plain server is a failure
     assert not any("stock" in check or "near-ties" in check for check in checks)
+
+
+@pytest.mark.parametrize("count", [1, 3, 7, 10])
+def test_a_capped_parity_replay_spreads_over_the_whole_run(count):
+    items = list(range(10 * count + 3))
+    picked = soak.spread(items, count)
+    assert len(picked) == len(set(picked)) == count
+    assert picked[0] == 0 and picked == sorted(picked)
+    assert picked[-1] >= len(items) - len(items) // count - 1  # the run's end is covered too
+    assert soak.spread(items[:5], 10) == items[:5] and soak.spread(items, None) == items
