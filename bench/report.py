@@ -272,7 +272,8 @@ def soak_parity_rows(parity: dict) -> list[list[str]]:
     """The soak's greedy parity: against the plain server with the plugin, and against stock plain
     (results before both were replayed hold one comparison, with the plugin's plain server)."""
     by_reference = parity if "plain-plugin" in parity else {"plain-plugin": parity}
-    labels = {"plain-plugin": "greedy answers equal to a plain server's with the plugin",
+    labels = {"dflash-single": "greedy answers through the router equal one DFLASH server's alone",
+              "plain-plugin": "greedy answers equal to a plain server's with the plugin",
               "plain": "greedy answers equal to stock plain SGLang's"}
     rows = []
     for reference, label in labels.items():
@@ -359,36 +360,45 @@ def soak_memory_rows(memory: dict) -> list[list[str]]:
     return rows
 
 
-def soak_section(results: Results) -> str:
-    name = "soak_smollm2-135m.json"
-    data = results[name]
-    setup, summary = data["setup"], data["summary"]
-    checks = [[check, "pass" if ok else "**FAIL**"] for check, ok in data["checks"].items()]
-    kinds = ", ".join(f"{k} {v['ok']}/{v['sent']}" for k, v in summary["by_kind"].items())
-    mix = summary["step_mix"]["tokens_by_step"]
-    parity = data["greedy_parity"]
-    shutdown = data["shutdown"]
-    facts = [
-        ["requests (ok / sent)", f"{kinds}; lost {summary['lost']}"],
-        ["clients", f"{setup['clients']} (bursts of {setup['burst_size']})"],
-        ["decode tokens by step kind", ", ".join(f"{k} {v:,}" for k, v in mix.items())],
-        *soak_parity_rows(parity),
-        ["resident memory growth, all server processes", f"{num(data['resident_memory']['growth_mb'], 0)} MB"],
-        *soak_memory_rows(data["resident_memory"]),
-        ["SIGTERM with requests streaming",
-         f"{shutdown['in_flight']} in flight, {shutdown['clients_hung']} clients hung, "
-         f"exit in {num(shutdown['seconds_to_exit'], 1)} s"],
-    ]
-    return "\n".join([
-        provenance_line(name, data["provenance"]),
-        "",
-        f"A DFLASH server with the drafter {Path(setup['draft']).name} and no switch set, server arguments "
-        f"`{' '.join(setup['server_args'])}`.",
-        "",
-        table(["check", "result"], checks),
-        "",
-        table(["measured", "value"], facts),
-    ])
+def soak_section(name: str) -> Callable[[Results], str]:
+    """The soak result `name`: one DFLASH server, or several behind SGLang's router."""
+
+    def render(results: Results) -> str:
+        data = results[name]
+        setup, summary = data["setup"], data["summary"]
+        checks = [[check, "pass" if ok else "**FAIL**"] for check, ok in data["checks"].items()]
+        kinds = ", ".join(f"{k} {v['ok']}/{v['sent']}" for k, v in summary["by_kind"].items())
+        mix = summary["step_mix"]["tokens_by_step"]
+        shutdown = data["shutdown"]
+        servers = setup.get("servers", 1)
+        served = summary.get("served_by_backend")
+        facts = [
+            ["requests (ok / sent)", f"{kinds}; lost {summary['lost']}"],
+            *([["`POST /generate` answered by each server", " / ".join(f"{n:,}" for n in served)]] if served else []),
+            ["clients", f"{setup['clients']} (bursts of {setup['burst_size']})"],
+            ["decode tokens by step kind", ", ".join(f"{k} {v:,}" for k, v in mix.items())],
+            *soak_parity_rows(data["greedy_parity"]),
+            ["resident memory growth, all server processes", f"{num(data['resident_memory']['growth_mb'], 0)} MB"],
+            *soak_memory_rows(data["resident_memory"]),
+            ["SIGTERM with requests streaming" + (" (each server)" if servers > 1 else ""),
+             f"{shutdown['in_flight']} in flight, {shutdown['clients_hung']} clients hung, "
+             f"exit in {num(shutdown['seconds_to_exit'], 1)} s"],
+        ]
+        who = ("A DFLASH server" if servers == 1 else
+               f"{servers} DFLASH servers behind SGLang's router (`{setup['router']}`), which takes every request;"
+               " each server")
+        return "\n".join([
+            provenance_line(name, data["provenance"]),
+            "",
+            f"{who} with the drafter {Path(setup['draft']).name} and no switch set, server arguments "
+            f"`{' '.join(setup['server_args'])}`.",
+            "",
+            table(["check", "result"], checks),
+            "",
+            table(["measured", "value"], facts),
+        ])
+
+    return render
 
 
 # ---------------------------------------------------------------- engine overhead and CPU kernels
@@ -622,7 +632,7 @@ SECTIONS = (
     Section("docs/results.md", "e2e-trees-bf16", ("e2e_smollm2-135m_trees_bf16.json",),
             e2e_section("e2e_smollm2-135m_trees_bf16.json")),
     Section("docs/results.md", "serving", ("serving_smollm2-135m.json",), lambda r: serving_table(r)[0]),
-    Section("docs/results.md", "soak", ("soak_smollm2-135m.json",), soak_section),
+    Section("docs/results.md", "soak", ("soak_smollm2-135m.json",), soak_section("soak_smollm2-135m.json")),
     Section("docs/results.md", "adaptive", ("adaptive_engine_cpu.json",), adaptive_section),
     Section("docs/results.md", "engine", ("engine_cpu.json",), engine_section),
     Section("docs/results.md", "cpu-ops", ("cpu_ops.json",), cpu_ops_section),

@@ -63,7 +63,9 @@ from sglang_dflash.data import gsm8k_path
 from sglang_dflash.drafters import SHIPPED_DRAFTER, resolve_draft
 from sglang_dflash.engine.packaged import packaged_model_dir
 from sglang_dflash.serving.local_server import (
+    LocalRouter,
     LocalServer,
+    all_ready,
     free_port,
     launch_args,
     server_env,
@@ -74,6 +76,7 @@ from sglang_dflash.serving.local_server import (
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = "smollm2-135m"
 STARTUP_TIMEOUT = 600
+SINGLE_REFERENCE = "dflash-single"  # one DFLASH server alone: what answers through the router must equal
 REQUEST_TIMEOUT = 600
 # SGLang's own idle invariant checks (strict by default: a leak kills the scheduler).
 LEAK_MARKERS = ("memory leak detected", "double free", "use-after-free", "Mem Leak Detected")
@@ -214,7 +217,23 @@ def build_requests(count: int, seed: int, tokenizer, context_length: int) -> lis
 # -- sending ---------------------------------------------------------------------------------
 
 
-def send(server: LocalServer, spec: Spec) -> dict:
+class Routed:
+    """Where the requests go when --servers > 1: SGLang's router in front of the backends. The router
+    does not forward /abort_request, so an abort goes to every backend; only the one running the
+    request knows its id."""
+
+    def __init__(self, router: LocalRouter, backends: list[LocalServer]):
+        self.router, self.backends, self.url = router, backends, router.url
+
+    def abort(self, rid: str) -> None:
+        for backend in self.backends:
+            backend.abort(rid)
+
+    def post(self, path: str, body: dict, timeout: float = 120):
+        return self.router.post(path, body, timeout)
+
+
+def send(server: LocalServer | Routed, spec: Spec) -> dict:
     """Sends one request; returns {"status": HTTP status, "answer": JSON answer or None,
     "chunks": streamed chunk count, "error": text} (what happened, checked later)."""
     raw = spec.body if isinstance(spec.body, bytes) else json.dumps(dict(spec.body, stream=spec.stream)).encode()
@@ -335,7 +354,7 @@ def check_answer(spec: Spec, answer: dict, params: dict, eos_ids: set[int], cont
 # -- the run ---------------------------------------------------------------------------------
 
 
-def run_requests(server: LocalServer, specs: list[Spec], clients: int, burst_size: int, deadline: float,
+def run_requests(server: LocalServer | Routed, specs: list[Spec], clients: int, burst_size: int, deadline: float,
                  on_rss) -> list[dict | None]:
     """Sends `specs` with `clients` in flight; every 250 requests a burst of `burst_size` of them
     goes out at once on top, then `on_rss(requests done)`. Requests not started by `deadline` give
@@ -434,32 +453,39 @@ def idle_state(server: LocalServer) -> dict:
             "leak_log_lines": leak_lines(server.text())}
 
 
-def greedy_parity(args, target: Path, specs: list[Spec], results: list, tmp: Path, extra: list[str],
+def reference_server(reference: str, target: Path, draft: Path, extra: list[str], tmp: Path) -> LocalServer:
+    """The server a parity replay asks: plain with the plugin active (PLUGIN_REFERENCE), stock plain
+    SGLang (REFERENCE) or one DFLASH server alone (SINGLE_REFERENCE)."""
+    env = server_env(tmp, SGLANG_DFLASH_DISABLE="1") if reference == REFERENCE else server_env(tmp)
+    args = launch_args(target, free_port(), draft=draft if reference == SINGLE_REFERENCE else None, extra=extra)
+    return LocalServer(reference, args, env, tmp / f"{reference}.log")
+
+
+def greedy_parity(args, target: Path, draft: Path, specs: list[Spec], results: list, tmp: Path, extra: list[str],
                   tokenizer, reference: str) -> dict:
-    """The greedy requests that DFLASH answered, sent again (not streamed) to a plain server: with the
-    plugin active (`reference` PLUGIN_REFERENCE) or stock SGLang (REFERENCE); differing answers get
-    the fp32 logit margin at their first differing token."""
+    """The greedy requests that the soak answered (at most --parity-requests of them, spread over the
+    run), sent again (not streamed) to the `reference` server (reference_server); differing answers
+    get the fp32 logit margin at their first differing token."""
     answered = [(s, r) for s, r in zip(specs, results, strict=True)
                 if s.greedy and r is not None and r["status"] == 200 and isinstance(r["answer"], dict)
                 and "output_ids" in r["answer"]]
     todo = spread(answered, args.parity_requests)
-    env = server_env(tmp) if reference == PLUGIN_REFERENCE else server_env(tmp, SGLANG_DFLASH_DISABLE="1")
-    plain = LocalServer(reference, launch_args(target, free_port(), extra=extra), env, tmp / f"{reference}.log")
+    server = reference_server(reference, target, draft, extra, tmp)
     try:
-        plain.wait_ready(time.time() + STARTUP_TIMEOUT)
+        server.wait_ready(time.time() + STARTUP_TIMEOUT)
         with tqdm(total=len(todo), desc=f"{reference} server, greedy", unit="req") as bar:
             def replay(item):
                 spec, _ = item
                 body = {k: v for k, v in spec.body.items() if k != "rid"}
                 try:
-                    return plain.post("/generate", body, timeout=REQUEST_TIMEOUT)
+                    return server.post("/generate", body, timeout=REQUEST_TIMEOUT)
                 finally:
                     bar.update()
 
             with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
                 answers = list(pool.map(replay, todo))
     finally:
-        plain.stop()
+        server.stop()
     divergences = []
     for (spec, result), theirs in zip(todo, answers, strict=True):
         ours = result["answer"]["output_ids"]
@@ -555,9 +581,13 @@ def verdicts(summary: dict, idle: dict, rss: dict, alive_after: bool, shutdown: 
         "SIGTERM: every process ended, no client hung": not shutdown["processes_left_after_exit"]
         and shutdown["clients_hung"] == 0,
     }
-    if parity is not None:
-        exact = parity[PLUGIN_REFERENCE]
-        checks["greedy equals the plain server with the plugin, exactly"] = exact["equal"] == exact["compared"]
+    if "served_by_backend" in summary:
+        checks["every server behind the router served requests"] = all(n > 0 for n in summary["served_by_backend"])
+    labels = {PLUGIN_REFERENCE: "greedy equals the plain server with the plugin, exactly",
+              SINGLE_REFERENCE: "greedy through the router equals one DFLASH server alone, exactly"}
+    for reference, label in labels.items():
+        if parity is not None and reference in parity:
+            checks[label] = parity[reference]["equal"] == parity[reference]["compared"]
     return checks
 
 
@@ -580,6 +610,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", type=Path, help=f"HF model directory (default: the packaged {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=SHIPPED_DRAFTER, help="DFlash checkpoint directory or shipped drafter name")
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--servers", type=int, default=1,
+                        help="DFLASH servers; above 1 they sit behind SGLang's router (sglang-router), which takes "
+                             "every request, and the greedy answers are compared with one DFLASH server alone")
     parser.add_argument("--clients", type=int, default=12, help="concurrent clients")
     parser.add_argument("--max-running-requests", type=int, default=8, help="the server's; below --clients")
     parser.add_argument("--burst-size", type=int, default=24, help="requests sent at once every 250")
@@ -601,6 +634,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def merged(states: list[dict], names: list[str]) -> dict:
+    """One idle or shutdown record for several servers: counts summed (seconds to exit: the longest),
+    lists joined, each server's own record kept whole under "per_server"; a single server's record
+    as it is."""
+    if len(states) == 1:
+        return states[0]
+    out = {"per_server": dict(zip(names, states, strict=True))}
+    for key, value in states[0].items():
+        if key == "exit_code" or isinstance(value, bool) or not isinstance(value, (int, float, list)):
+            continue
+        values = [state[key] for state in states]
+        out[key] = ([x for v in values for x in v] if isinstance(value, list)
+                    else max(values) if key == "seconds_to_exit" else sum(values))
+    return out
+
+
+def generate_requests_served(server: LocalServer) -> int:
+    """POST /generate requests the server has answered with 200, from its access log."""
+    return server.text().count('"POST /generate HTTP/1.1" 200')
+
+
 def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
@@ -614,31 +668,46 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="soak_serving_"))
     extra = ["--context-length", str(args.context_length), "--max-running-requests", str(args.max_running_requests),
              "--max-total-tokens", "16384", "--random-seed", "0"]
-    print(f"{len(specs)} requests, {args.clients} clients; server logs in {tmp}")
+    print(f"{len(specs)} requests, {args.clients} clients, {args.servers} server(s); server logs in {tmp}")
 
-    server = LocalServer("dflash", launch_args(target, free_port(), draft=draft, extra=extra), server_env(tmp),
-                         tmp / "dflash.log")
+    names = ["dflash"] if args.servers == 1 else [f"dflash-{i}" for i in range(args.servers)]
+    backends = [LocalServer(name, launch_args(target, free_port(), draft=draft, extra=extra), server_env(tmp),
+                            tmp / f"{name}.log") for name in names]
+    router = None
     rss_samples, by_process = [], []
 
     def sample(requests_done: int) -> None:
-        mb = {name: round(b / 2**20, 1) for name, b in process_memory(server.pids()).items()}
+        mb = {}
+        for server in backends + ([router] if router else []):
+            for title, b in process_memory(server.pids()).items():
+                name = "router" if server is router else title if args.servers == 1 else f"{server.name} {title}"
+                mb[name] = round(b / 2**20, 1)
         by_process.append({"requests": requests_done, "mb": mb})
         rss_samples.append(sum(mb.values()) * 2**20)
 
     try:
-        server.wait_ready(time.time() + STARTUP_TIMEOUT)
-        sample(0)
-        deadline = math.inf if args.time_limit is None else time.time() + args.time_limit
-        results = run_requests(server, specs, args.clients, args.burst_size, deadline, sample)
-        if server.proc.poll() is not None:
-            raise SystemExit(f"the DFLASH server died during the soak:\n{server.text()[-4000:]}")
-        idle = idle_state(server)
-        alive_after = server.post("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 4}})[
-            "meta_info"]["completion_tokens"] == 4
-        sample(len(specs) + 1)  # idle, after the leak check and one more request
-        shutdown = sigterm_in_flight(server, chat_texts(tokenizer, 6))
+        with all_ready(*backends, startup_timeout=STARTUP_TIMEOUT):
+            front = backends[0]
+            if args.servers > 1:
+                router = LocalRouter("router", backends, free_port(), tmp / "router.log")
+                front = Routed(router, backends)
+            served_before = [generate_requests_served(b) for b in backends]
+            with all_ready(*([router] if router else []), startup_timeout=120):
+                sample(0)
+                deadline = math.inf if args.time_limit is None else time.time() + args.time_limit
+                results = run_requests(front, specs, args.clients, args.burst_size, deadline, sample)
+                for backend in backends:
+                    if backend.proc.poll() is not None:
+                        raise SystemExit(f"{backend.name} died during the soak:\n{backend.text()[-4000:]}")
+                idle = merged([idle_state(b) for b in backends], names)
+                alive_after = front.post("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 4}})[
+                    "meta_info"]["completion_tokens"] == 4
+                served = [generate_requests_served(b) - n for b, n in zip(backends, served_before, strict=True)]
+                sample(len(specs) + 1)  # idle, after the leak check and one more request
+                shutdown = merged([sigterm_in_flight(b, chat_texts(tokenizer, 6)) for b in backends], names)
     finally:
-        server.stop()
+        for server in backends + ([router] if router else []):
+            server.stop()
     rss = {"start_mb": rss_samples[0] / 2**20, "end_mb": rss_samples[-1] / 2**20,
            "samples_mb": [round(b / 2**20, 1) for b in rss_samples],
            "growth_mb": (rss_samples[-1] - rss_samples[1 if len(rss_samples) > 2 else 0]) / 2**20,
@@ -650,15 +719,21 @@ def main() -> None:
                                 "result": result}) + "\n")
     summary = summarize(specs, results, eos_ids, args.context_length)
     summary["step_mix"] = step_mix(results)
+    if args.servers > 1:
+        summary["served_by_backend"] = served
+    references = (PLUGIN_REFERENCE, REFERENCE) if args.servers == 1 else (SINGLE_REFERENCE, PLUGIN_REFERENCE)
     parity = None if args.no_parity else {
-        reference: greedy_parity(args, target, specs, results, tmp, extra, tokenizer, reference)
-        for reference in (PLUGIN_REFERENCE, REFERENCE)}
+        reference: greedy_parity(args, target, draft, specs, results, tmp, extra, tokenizer, reference)
+        for reference in references}
     checks = verdicts(summary, idle, rss, alive_after, shutdown, parity, args)
 
-    out = args.out or ROOT / "bench" / "results" / f"soak_{args.target.name if args.target else DEFAULT_TARGET}.json"
+    suffix = "" if args.servers == 1 else f"_router{args.servers}"
+    stem = f"soak_{args.target.name if args.target else DEFAULT_TARGET}{suffix}"
+    out = args.out or ROOT / "bench" / "results" / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    setup = {"target": str(target), "draft": str(draft), "server_args": extra, "requests": args.requests,
-             "clients": args.clients, "burst_size": args.burst_size, "seed": args.seed,
+    setup = {"target": str(target), "draft": str(draft), "server_args": extra, "servers": args.servers,
+             "router": "sglang_router.launch_router --policy cache_aware" if router else None,
+             "requests": args.requests, "clients": args.clients, "burst_size": args.burst_size, "seed": args.seed,
              "time_limit_s": args.time_limit, "parity_requests": args.parity_requests, "log_dir": str(tmp),
              "rss_growth_note": "growth from the first sample after 250 requests to the end (the first "
                                 "requests fill allocator pools and caches)"}
@@ -667,7 +742,8 @@ def main() -> None:
                                "greedy_parity": parity}, indent=1))
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
-    print(json.dumps({"by_kind": summary["by_kind"], "step_mix": summary["step_mix"], "idle": idle,
+    print(json.dumps({"by_kind": summary["by_kind"], "served_by_backend": summary.get("served_by_backend"),
+                      "step_mix": summary["step_mix"], "idle": {k: v for k, v in idle.items() if k != "per_server"},
                       "rss_growth_mb": round(rss["growth_mb"], 1), "growth_by_process": rss["growth_by_process"],
                       "shutdown": {k: shutdown[k] for k in ("clients_hung", "processes_left_after_exit",
                                                             "seconds_to_exit")},

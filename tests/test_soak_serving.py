@@ -212,3 +212,39 @@ def test_a_capped_parity_replay_spreads_over_the_whole_run(count):
     assert picked[0] == 0 and picked == sorted(picked)
     assert picked[-1] >= len(items) - len(items) // count - 1  # the run's end is covered too
     assert soak.spread(items[:5], 10) == items[:5] and soak.spread(items, None) == items
+
+
+def test_records_of_several_servers_merge_into_one_that_keeps_each():
+    a = {"in_flight": 6, "clients_hung": 0, "processes_left_after_exit": [], "exit_code": 0, "seconds_to_exit": 2.5,
+         "outcomes": [{"outcome": "answered"}]}
+    b = {"in_flight": 6, "clients_hung": 1, "processes_left_after_exit": [123], "exit_code": -9,
+         "seconds_to_exit": 4.0, "outcomes": [{"outcome": "connection closed"}]}
+    assert soak.merged([a], ["dflash"]) is a
+    m = soak.merged([a, b], ["dflash-0", "dflash-1"])
+    assert m["in_flight"] == 12 and m["clients_hung"] == 1 and m["processes_left_after_exit"] == [123]
+    assert m["seconds_to_exit"] == 4.0 and len(m["outcomes"]) == 2 and "exit_code" not in m
+    assert m["per_server"] == {"dflash-0": a, "dflash-1": b}
+
+
+def test_behind_the_router_every_backend_must_serve_and_greedy_must_equal_one_server_alone():
+    args = soak.parse_args(["--servers", "2"])
+    idle = {"num_used_tokens": 0, "num_used_tokens_after_flush": 0, "leak_log_lines": []}
+    rss = {"growth_mb": 0, "growth_by_process": {}}
+    shutdown = {"processes_left_after_exit": [], "clients_hung": 0}
+    parity = {soak.SINGLE_REFERENCE: {"compared": 10, "equal": 10, "near_ties": 0},
+              "plain-plugin": {"compared": 10, "equal": 10, "near_ties": 0}}
+    served = "every server behind the router served requests"
+    single = "greedy through the router equals one DFLASH server alone, exactly"
+
+    def verdicts(backends, single_equal):
+        summary = {"sent": args.requests, "requests_with_problems": 0, "served_by_backend": backends}
+        return soak.verdicts(summary, idle, rss, True, shutdown,
+                             dict(parity, **{soak.SINGLE_REFERENCE: dict(parity[soak.SINGLE_REFERENCE],
+                                                                         equal=single_equal)}), args)
+
+    assert verdicts([480, 520], 10)[served] and verdicts([480, 520], 10)[single]
+    assert not verdicts([1000, 0], 10)[served]
+    assert not verdicts([480, 520], 9)[single]
+    one_server = soak.verdicts({"sent": args.requests, "requests_with_problems": 0}, idle, rss, True, shutdown,
+                               None, args)
+    assert served not in one_server and single not in one_server
