@@ -122,11 +122,11 @@ soak: $(SGLANG_INSTALLED)
 	$(PY) -m bench.soak_serving --requests $(SOAK_REQUESTS) $(if $(SOAK_PARITY_REQUESTS),--parity-requests $(SOAK_PARITY_REQUESTS))
 
 # The same soak through SGLang's router (sglang-router) in front of two DFLASH servers: nothing lost, both
-# served, greedy equal to one DFLASH server alone and to plain with the plugin, flat memory per process ->
-# bench/results/soak_smollm2-135m_router2.json (about 20 minutes for 1,000 requests here).
+# served, greedy equal to one DFLASH server alone (200 answers spread over the run), flat memory per
+# process -> bench/results/soak_smollm2-135m_router2.json (about 25 minutes for 1,000 requests here).
 SOAK_ROUTER_REQUESTS ?= 1000
 soak-router: $(SGLANG_INSTALLED)
-	$(PY) -m bench.soak_serving --servers 2 --requests $(SOAK_ROUTER_REQUESTS)
+	$(PY) -m bench.soak_serving --servers 2 --requests $(SOAK_ROUTER_REQUESTS) --parity-requests 200
 
 # On a GPU machine, in <= 8 minutes: environment, CUDA build, smoke test, cuda tests, sanitizers,
 # kernel benchmark -> summary.json, logs.tar.gz, junit.tar.gz, bench_kernels.json in $(GPU_CHECK_OUT).
