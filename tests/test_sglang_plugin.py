@@ -719,6 +719,28 @@ def test_non_default_accept_thresholds_go_to_sglang(monkeypatch, single, acc):
     assert calls == ["accept", "validate"]
 
 
+@pytest.mark.parametrize("drafter", ["selector", "lilicorr"])
+def test_dflash2_drafts_are_verified_by_our_kernels_unless_sglang_sampled_the_proposal(monkeypatch, drafter):
+    """A selector's (or LiLiCorr's) drafted chain is verified like any other: greedy and sampled
+    batches run our kernels (exact whatever drafted). Only a proposal SGLang sampled against its own
+    q (`_selector_sample`, GPUs only) goes to SGLang's accept rule, which needs that q."""
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sglang_dflash.serving.worker import DFlashKernelWorker
+
+    monkeypatch.setattr(DFlashWorkerV2, "_accept_block", lambda self, **kw: "parent")
+    w = _bare_worker(DFlashKernelWorker, 4, kernel_ops=["verify_block", "verify_block_from_ids"])
+    setattr(w, drafter, object())
+    bs, block, vocab = 2, 4, 50
+    logits, candidates, prefix_lens = _greedy_case(bs, block, vocab, seed=6)
+    kw = dict(candidates=candidates, next_token_logits=logits, prefix_lens=prefix_lens, bs=bs)
+    sampled = _sampling_info([0.8] * bs, [1 << 30] * bs, [1.0] * bs)
+    assert w._kernel_sampling_ok()
+    assert _call(w, **kw)[0].dtype == torch.int32 and _call(w, sampling_info=sampled, **kw)[0].dtype == torch.int32
+    w._selector_sample = (torch.zeros(bs, block - 1, 4, dtype=torch.int64), torch.ones(bs, block - 1, 4))
+    assert not w._kernel_sampling_ok() and _call(w, sampling_info=sampled, **kw) == "parent"
+
+
 @pytest.mark.parametrize("device,gpu_id,expected", [("cpu", 0, "cpu"), ("cuda", 3, "cuda:3"), ("cuda:1", 3, "cuda:1")])
 def test_runner_device_names_the_index(device, gpu_id, expected):
     from sglang_dflash.serving.worker import runner_device

@@ -19,7 +19,8 @@ vocabulary), `_append_target_hidden_to_draft_kv_by_loc` (context K/V through
 
 Results go into SGLang's double-buffered outputs (`_next_accept_bonus_buffers`), and the decisions
 are broadcast from TP rank 0 at the same `SpecTpSyncSite`s SGLang uses. The parent handles what
-this class does not: selector / LiLiCorr (DFlash2) drafts, `SGLANG_SIMULATE_ACC_LEN`, non-default
+this class does not: sampled selector / LiLiCorr (DFlash-2) proposals on GPUs (on the CPU their walk
+proposes greedily and our kernels verify), `SGLANG_SIMULATE_ACC_LEN`, non-default
 acceptance thresholds, devices our extension has no kernels for, and any op of ours that failed its
 start-up self-test on this device (sglang_dflash/ops/self_test.py).
 
@@ -156,6 +157,11 @@ class DFlashKernelWorker(DFlashWorkerV2):
             from sglang_dflash.serving.cpu import install_torch_cpu_shims
 
             install_torch_cpu_shims()
+            # DFlash-2 selector / LiLiCorr drafters: SGLang's sampled proposal feeds an accept step
+            # that runs a Triton kernel (no CPU path). Their walk proposes greedily instead, and
+            # verify_block samples from the target whatever was drafted: exact, only the draft differs.
+            self._selector_sampling_enabled = False
+            self._lilicorr_sampling_enabled = False
         self._dflash_device = device
         self._context_kv = None
         self._init_dflash_kernels(_runtime_context.get_spec(), ())  # SGLang's path until the self-test
@@ -470,12 +476,12 @@ class DFlashKernelWorker(DFlashWorkerV2):
     # -- decisions -------------------------------------------------------------------------
 
     def _kernel_sampling_ok(self) -> bool:
-        """Whether sampled verification runs on our kernels: the lossless rule (any other
-        acceptance threshold is SGLang's), and a verify_block that passed its self-test."""
+        """Whether sampled verification runs on our kernels: no sampled selector proposal to accept
+        against its own q (SGLang's; not made on the CPU), the lossless rule (any other acceptance
+        threshold is SGLang's), and a verify_block that passed its self-test. Our sampled verify
+        is exact whatever drafted the block, a selector's or LiLiCorr's greedy walk included."""
         return (
             getattr(self, "_selector_sample", None) is None
-            and getattr(self, "selector", None) is None
-            and getattr(self, "lilicorr", None) is None
             and self._dflash_thresholds == (1.0, 1.0)
             and "verify_block" in self._dflash_ops
         )
