@@ -197,6 +197,9 @@ def add_train_parser(sub) -> None:
         ("--seed", int, "seed of data order and anchors (default 0)"),
     ]:
         t.add_argument(flag, type=kind, help=text)
+    t.add_argument("--arch", choices=["dflash", "dflash2"],
+                   help="dflash (default) or dflash2: DFlash-2's grouped convolutions and path selector (a "
+                        "resumed run keeps its drafter's)")
     t.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="float32 (default) or bfloat16 mixed precision (fp32 master weights)")
     t.add_argument("--target-layer-ids", type=_int_list("--target-layer-ids"),

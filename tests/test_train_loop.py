@@ -7,7 +7,7 @@ from sglang_dflash.models import DFlashDraftModel, load_draft
 from sglang_dflash.train.blocks import pack_blocks
 from sglang_dflash.train.data import Example
 from sglang_dflash.train.forward import training_hidden
-from sglang_dflash.train.trainer import TrainConfig, Trainer, draft_config_for
+from sglang_dflash.train.trainer import DFLASH2_SHAPE, TrainConfig, Trainer, draft_arch, draft_config_for, selector_loss
 from tests.dflash_testlib import tiny_target
 
 BLOCK = 4
@@ -93,6 +93,64 @@ def test_exported_checkpoint_reloads_with_the_same_outputs(setup, tmp_path):
         a = training_hidden(trainer.draft.eval(), features, embeds, packed.positions, anchors, BLOCK)
         b = training_hidden(loaded, features, embeds, packed.positions, anchors, BLOCK)
     torch.testing.assert_close(a, b)
+
+
+def test_dflash2_training_learns_its_convolutions_and_selector_and_reloads(setup, tmp_path):
+    trainer = make_trainer(setup, tmp_path / "d2", steps=30, arch="dflash2")
+    draft = trainer.draft
+    assert draft_arch(draft.config) == "dflash2" and draft.config.selector_top_k == DFLASH2_SHAPE["selector_top_k"]
+    assert draft.layers[0].attention_conv is not None and draft.candidate_selector is not None
+    codebook = draft.candidate_selector.successor_codebook.detach().clone()
+    kernels = draft.layers[0].mlp_conv.base_kernel.detach().clone()
+    assert codebook.abs().max() > 0  # a fresh selector starts off zero, where it has no gradient
+    before = trainer.evaluate()
+    history = trainer.run()
+    after = history[-1]
+    assert after["held_out_loss"] < 0.9 * before["held_out_loss"] and after["tau"] > before["tau"] + 0.15
+    # the selector learned on its own: its picks beat the argmax it would make with its fresh codebooks
+    trained_selector = trainer.evaluate()["tau"]
+    with torch.no_grad():
+        draft.candidate_selector.successor_codebook.zero_()  # scores = the LM head's logits: argmax
+    assert trained_selector > trainer.evaluate()["tau"]
+    loaded = load_draft(tmp_path / "d2")
+    assert not torch.equal(loaded.candidate_selector.successor_codebook, codebook)
+    assert not torch.equal(loaded.layers[0].mlp_conv.base_kernel, kernels)
+    assert draft_arch(loaded.config) == "dflash2"
+
+
+def test_the_selector_loss_scores_candidates_after_the_true_token_as_the_lattice_does():
+    torch.manual_seed(0)
+    target = tiny_target("qwen3", vocab=32, seed=3).model
+    cfg = TrainConfig(out="unused", block_size=BLOCK, arch="dflash2", mask_token_id=5)
+    selector = DFlashDraftModel(draft_config_for(target.config, None, cfg)).candidate_selector
+    with torch.no_grad():
+        for p in selector.parameters():
+            p.normal_()
+    e, k, hidden_size = 3, selector.top_k, target.config.hidden_size
+    candidates = torch.stack([torch.randperm(32)[:k] for _ in range(e)])[None]  # [1, E, K]
+    unary, hidden, anchor = torch.randn(1, e, k), torch.randn(1, e, hidden_size), torch.tensor([7])
+    lattice = selector.lattice(candidates, unary, hidden, anchor)  # [1, E, K, K]
+    for pos in range(e):
+        for i in range(k):
+            before = anchor[0] if pos == 0 else candidates[0, pos - 1, i]
+            torch.testing.assert_close(selector.teacher_scores(before.view(1), candidates[:, pos], unary[:, pos],
+                                                               hidden[:, pos]), lattice[:, pos, i],
+                                       rtol=1e-5, atol=1e-4)  # summed in another order
+    # the loss: a row whose true token is a candidate is that candidate's class; others have none
+    logits = torch.randn(4, 32, requires_grad=True)
+    hidden_rows = torch.randn(4, hidden_size, requires_grad=True)
+    top = logits.detach().topk(k)
+    labels = torch.stack([top.indices[0, 2], top.indices[1, 0], logits[2].detach().argmin(), top.indices[3, k - 1]])
+    predecessors, weights = torch.tensor([1, 2, 3, 4]), torch.tensor([1.0, 0.5, 1.0, 0.0])
+    loss, choice = selector_loss(selector, hidden_rows, logits, labels, predecessors, weights)
+    scores = selector.teacher_scores(predecessors, top.indices, top.values, hidden_rows.detach())
+    expected = (torch.nn.functional.cross_entropy(scores[0], torch.tensor(2))
+                + 0.5 * torch.nn.functional.cross_entropy(scores[1], torch.tensor(0)))  # row 2: no class, row 3: 0
+    torch.testing.assert_close(loss, expected)
+    assert torch.equal(choice, top.indices.gather(1, scores.argmax(1, keepdim=True)).squeeze(1))
+    loss.backward()
+    assert logits.grad is None and hidden_rows.grad is None  # the draft's own loss trains those
+    assert selector.successor_codebook.grad is not None
 
 
 def test_training_plot_draws_each_held_out_set(tmp_path, monkeypatch):

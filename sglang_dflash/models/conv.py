@@ -34,6 +34,7 @@ class BlockConv(nn.Module):
         identity[:, 0] = 1.0
         self.base_kernel = nn.Parameter(identity)  # [side, tap, channel]
         self.kernel_projection = SkinnyLinear(hidden_size, 2 * taps * self.num_groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)  # no coefficient offsets yet: the identity filter
 
     def prepare(self, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sublayer's convolved input, the output side's coefficients [n, taps, groups])."""

@@ -44,6 +44,16 @@ class PathSelector(nn.Module):
         right = self.successor_codebook[candidate_ids].float()
         return unary.float()[:, :, None, :] + left @ right.transpose(-1, -2)
 
+    def teacher_scores(self, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor, unary: torch.Tensor,
+                       hidden: torch.Tensor) -> torch.Tensor:
+        """float32 scores [..., K] of each position's candidates [..., K] after a given predecessor
+        token [...] (the true one in training): the lattice's row for that predecessor, whether or
+        not it is among the previous position's candidates. unary [..., K], hidden [..., H]."""
+        query = self.hidden_projection(hidden).float()
+        left = self.predecessor_codebook[predecessor_ids].float() * query
+        right = self.successor_codebook[candidate_ids].float()
+        return unary.float() + (left.unsqueeze(-2) * right).sum(-1)
+
     @staticmethod
     def walk(candidate_ids: torch.Tensor, scores: torch.Tensor, greedy: torch.Tensor,
              temperatures: torch.Tensor | None = None, uniforms: torch.Tensor | None = None):

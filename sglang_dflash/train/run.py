@@ -11,7 +11,7 @@ from sglang_dflash.engine import HFTarget
 from sglang_dflash.models import DFlashConfig, DFlashDraftModel, load_draft, save_draft_vocab
 from sglang_dflash.train.data import Example, load_examples
 from sglang_dflash.train.regenerate import generate_examples, is_feature_dataset, read_feature_dataset, source_prompts
-from sglang_dflash.train.trainer import TrainConfig, Trainer, draft_config_for
+from sglang_dflash.train.trainer import TrainConfig, Trainer, draft_arch, draft_config_for
 
 
 def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: int = 512,
@@ -36,6 +36,8 @@ def train_drafter(target: str, data: list[str], cfg: TrainConfig, *, max_len: in
         if draft.config.block_size != cfg.block_size:
             raise ValueError(f"{out} holds a drafter with block_size {draft.config.block_size}, "
                              f"not {cfg.block_size}; use another --out")
+        if cfg.arch is not None and draft_arch(draft.config) != cfg.arch:
+            raise ValueError(f"{out} holds a {draft_arch(draft.config)} drafter, not {cfg.arch}; use another --out")
     else:
         draft = DFlashDraftModel(draft_config_for(hf.model.config, hf.tokenizer, cfg)).to(device)
         # The draft's output feeds the target's LM head, so start from the scale the head expects.

@@ -1,6 +1,15 @@
 """Drafter training loop: AdamW with warmup + cosine decay, gradient clipping and accumulation,
 z-lab checkpoints, exact resume, a held-out acceptance estimate, and loss / tau curves as a PNG.
 
+`arch="dflash2"` trains a DFlash-2 drafter (DFLASH2_SHAPE): the grouped convolutions train with the
+layers, and the path selector on its own loss (`selector_loss`): at every trained-on block row,
+cross-entropy of its scores over the LM head's top-k candidates after the true previous token, the
+row's true token being the class (rows whose true token is not a candidate have none). A greedy
+walk follows its own choices, which are the true tokens for as long as its drafts are accepted, so
+this is the choice the accepted part of a walk makes. The selector reads the draft's hidden states
+and logits without passing gradients back: the draft's own loss trains those. Its loss is part of
+the held-out loss, which is therefore not comparable between the two architectures (tau is).
+
 Launched by `torchrun` (WORLD_SIZE > 1), each process trains on its shard of the examples and
 the gradients are averaged across processes before every optimizer step (data parallelism).
 """
@@ -27,11 +36,16 @@ from sglang_dflash.train.forward import training_hidden
 
 STATE_NAME = "trainer_state.pt"
 HISTORY_NAME = "history.json"
+ARCHS = ("dflash", "dflash2")
+# A DFlash-2 drafter's convolution and selector (config fields): two taps per side as published
+# DFlash-2 drafters use, one coefficient per 16 channels, a rank-32 selector over 8 candidates.
+DFLASH2_SHAPE = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=8)
 
 
 @dataclasses.dataclass
 class TrainConfig:
     out: str
+    arch: str | None = None  # "dflash" or "dflash2" (DFLASH2_SHAPE); None: a resumed drafter's, else "dflash"
     block_size: int = 16
     layers: int = 2
     steps: int = 1000
@@ -51,6 +65,8 @@ class TrainConfig:
     mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        if self.arch is not None and self.arch not in ARCHS:
+            raise ValueError(f"TrainConfig.arch must be one of {ARCHS}, got {self.arch!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"TrainConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.block_size < 2:
@@ -63,7 +79,8 @@ class TrainConfig:
 
 
 def draft_config_for(target_config, tokenizer, cfg: TrainConfig) -> DFlashConfig:
-    """A Qwen3-style drafter shaped like the target's layers, tapping K = cfg.layers target layers."""
+    """A Qwen3-style drafter shaped like the target's layers, tapping K = cfg.layers target layers;
+    DFlash-2's convolutions and selector (DFLASH2_SHAPE) with cfg.arch "dflash2"."""
     t = target_config
     heads = t.num_attention_heads
     mask_id = cfg.mask_token_id
@@ -81,7 +98,28 @@ def draft_config_for(target_config, tokenizer, cfg: TrainConfig) -> DFlashConfig
         num_target_layers=t.num_hidden_layers, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
         rope_theta=float(getattr(t, "rope_theta", None) or (getattr(t, "rope_parameters", None) or {}).get(
             "rope_theta", 10000.0)),
-        max_position_embeddings=getattr(t, "max_position_embeddings", 32768))
+        max_position_embeddings=getattr(t, "max_position_embeddings", 32768),
+        **(DFLASH2_SHAPE if cfg.arch == "dflash2" else {}))
+
+
+def draft_arch(config: DFlashConfig) -> str:
+    """"dflash2" for a drafter with DFlash-2's convolutions or selector, else "dflash"."""
+    return "dflash2" if config.conv_kernel_size or config.has_selector else "dflash"
+
+
+def selector_loss(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                  predecessors: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted cross-entropy sum, the selector's choice per row) of block rows: hidden [N, H],
+    logits [N, V], their true tokens labels [N] and previous tokens predecessors [N], weights [N]
+    (see the module docstring). Gradients reach the selector only."""
+    unary, candidates = logits.detach().float().topk(selector.top_k, dim=-1)
+    hidden = hidden.detach().to(selector.hidden_projection.weight.dtype)  # autocast may have made it bf16
+    scores = selector.teacher_scores(predecessors, candidates, unary, hidden)
+    choice = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+    hit = candidates == labels[:, None]
+    inside = hit.any(-1)
+    loss = F.cross_entropy(scores[inside], hit[inside].float().argmax(-1), reduction="none")
+    return (loss * weights[inside]).sum(), choice
 
 
 def lr_factor(step: int, total: int, warmup: float) -> float:
@@ -104,6 +142,13 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.train, self.held_out = train[self.rank :: self.world], held_out
+        selector = draft.candidate_selector
+        if selector is not None and not (selector.predecessor_codebook.any() or selector.successor_codebook.any()):
+            # A fresh selector's codebooks are zero, where their product has no gradient.
+            with torch.no_grad():
+                generator = torch.Generator().manual_seed(cfg.seed)
+                for codebook in (selector.predecessor_codebook, selector.successor_codebook):
+                    codebook.copy_(torch.randn(codebook.shape, generator=generator) * 0.02)
         self.features = TargetFeatures(target, draft.config.target_layer_ids, feature_cache)
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings().weight.detach()
@@ -137,7 +182,8 @@ class Trainer:
         return torch.Generator().manual_seed(hash((self.cfg.seed, self.epoch, index, self.rank)) & (2**63 - 1))
 
     def sequence_loss(self, index: int, example: Example, anchors: torch.Tensor | None = None):
-        """(weighted loss, weight sum, draft argmax per block row, labels, weights) of one sequence."""
+        """(weighted loss, weight sum, draft per block row, labels, weights) of one sequence; the
+        draft is the argmax, or with a selector its choice after the true previous token."""
         cfg = self.cfg
         if anchors is None:
             anchors = sample_anchors(example.loss_mask, cfg.block_size, cfg.num_anchors, self._generator(index))
@@ -160,8 +206,13 @@ class Trainer:
             hidden = training_hidden(self.draft, features, block_embeds, packed.positions, packed.anchors,
                                      cfg.block_size)
             logits = self.draft.logits(hidden[rows], self.lm_head).float()
-        weights = packed.weights[rows]
-        loss = (F.cross_entropy(logits, packed.labels[rows], reduction="none") * weights).sum()
+        weights, labels = packed.weights[rows], packed.labels[rows]
+        loss = (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
+        choice = logits.argmax(-1)
+        if self.draft.candidate_selector is not None:
+            chosen_loss, choice = selector_loss(self.draft.candidate_selector, hidden[rows], logits, labels,
+                                                ids[packed.positions[rows] - 1], weights)
+            loss = loss + chosen_loss
         if cfg.kl_weight > 0:
             positions = packed.positions[rows]
             if kept_teacher:  # rows are trained-on tokens, so each has a teacher row (loss_mask order)
@@ -171,7 +222,7 @@ class Trainer:
             else:
                 kl = full_kl(logits, target_logits[positions - 1])
             loss = loss + cfg.kl_weight * (kl * weights).sum()
-        return loss, weights.sum(), logits.argmax(-1), packed.labels[rows], rows
+        return loss, weights.sum(), choice, labels, rows
 
     def train_step(self) -> float:
         cfg = self.cfg
@@ -206,7 +257,8 @@ class Trainer:
         """Teacher-forced acceptance on held-out data: at every valid anchor, how many draft rows
         agree with the real continuation before the first miss. tau = 1 + that mean, the tokens a
         verify step commits if the target would produce the data's tokens (exact when the data
-        was generated by the target greedily). Also the held-out loss, and `tau@b` for every
+        was generated by the target greedily); with a path selector, of the selector's drafts (what
+        SGLang serves). Also the held-out loss, and `tau@b` for every
         smaller block size b >= 2 (the same drafts cut to b - 1): a drafter trained at B is
         often served at a smaller one, and these say which."""
         self.draft.eval()
