@@ -58,6 +58,9 @@ MANIFEST = {
         ("serving_smollm2-135m.png",)),
     "soak_smollm2-135m.json": Entry("make soak SOAK_REQUESTS=5000 SOAK_PARITY_REQUESTS=500",
                                     "a DFLASH server under thousands of varied requests and faults"),
+    "linear_memory_cpu.json": Entry(
+        "python -m bench.linear_memory --lengths 400 --max-rows 1024",
+        "CPU bf16 linear layers: resident memory over prefills of every length, and the time bounding it costs"),
     "adaptive_engine_cpu.json": Entry(
         "make bench-adaptive", "engine, CPU: the adaptive block size against every fixed one, batches of 1-8"),
     "engine_cpu.json": Entry(
@@ -448,6 +451,34 @@ def adaptive_section(results: Results) -> str:
     ])
 
 
+def linear_memory_section(results: Results) -> str:
+    name = "linear_memory_cpu.json"
+    data = results[name]
+    setup = data["setup"]
+    first = next(iter(data["memory"].values()))["samples"]
+    step = max(1, len(first) // 4)
+    marks = [str(s["lengths"]) for s in first[:-1][::step]]
+    memory = [[f"`{variant}`", *(f"+{num(s['growth_mb'], 0)} MB" for s in m["samples"][:-1][::step]),
+               f"+{num(m['samples'][-1]['growth_mb'], 0)} MB"] for variant, m in data["memory"].items()]
+    times = [[str(c["rows"]), num(c["ms"]["F.linear"], 3), num(c["ms"]["bounded_rows_linear"], 3),
+              num(c["f_linear_over_bounded"], 3, "x")] for c in data["time"]]
+    return "\n".join([
+        provenance_line(name, data["provenance"]),
+        "",
+        f"SmolLM2-135M's {len(setup['shapes'])} linear shapes in bf16, a call each at {setup['lengths']} distinct row "
+        f"counts from 17 to {setup['max_rows']} (prefills of every length), one torch thread, a fresh process per "
+        "variant: resident memory growth after that many lengths. `bounded_rows_linear` runs the same GEMM, once, "
+        f"at the row counts {', '.join(map(str, setup['gemm_row_counts']))} (the input zero-padded to the next one).",
+        "",
+        table(["variant", *(f"{m} lengths" for m in marks), f"all {setup['lengths']}"], memory),
+        "",
+        f"Time per call of all shapes (median of {setup['rounds']} lock-step rounds; above 1.000x bounding was "
+        "faster):",
+        "",
+        table(["rows", "F.linear ms", "bounded_rows_linear ms", "F.linear / bounded"], times),
+    ])
+
+
 _CPU_METRICS = {"op", "baseline", "kernel_ms", "reference_ms", "ratio", "kernel_GBps", "kernel_GFLOPs", "roofline_pct"}
 
 
@@ -634,6 +665,7 @@ SECTIONS = (
     Section("docs/results.md", "serving", ("serving_smollm2-135m.json",), lambda r: serving_table(r)[0]),
     Section("docs/results.md", "soak", ("soak_smollm2-135m.json",), soak_section("soak_smollm2-135m.json")),
     Section("docs/results.md", "adaptive", ("adaptive_engine_cpu.json",), adaptive_section),
+    Section("docs/results.md", "linear-memory", ("linear_memory_cpu.json",), linear_memory_section),
     Section("docs/results.md", "engine", ("engine_cpu.json",), engine_section),
     Section("docs/results.md", "cpu-ops", ("cpu_ops.json",), cpu_ops_section),
     Section("docs/results.md", "gpu-kernels", ("bench_kernels_h200.json",), gpu_kernels_section),

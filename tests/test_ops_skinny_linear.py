@@ -3,6 +3,7 @@ invariance, its argument errors, and the SkinnyLinear modules the engine swaps i
 
 from __future__ import annotations
 
+import math
 import platform
 
 import pytest
@@ -11,12 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_dflash import ops
+from sglang_dflash.models import skinny
 from sglang_dflash.models.skinny import (
     CHUNK_ROWS,
+    GEMM_MIN_ROWS,
     MAX_ROWS,
     Int8Linear,
     SkinnyLinear,
     batch_invariant,
+    gemm_rows,
     quantize_rows,
     use_skinny_linear,
 )
@@ -226,6 +230,55 @@ def test_module_matches_torch_linear_for_few_rows():
         expected = F.linear(x, layer.weight, layer.bias)
         use_skinny_linear(layer)
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def gemm_row_counts(monkeypatch) -> list[int]:
+    """The row counts torch's F.linear is called with from now on (a spy around the real one)."""
+    seen, real = [], F.linear
+
+    def spy(x, weight, bias=None):
+        seen.append(x.numel() // x.shape[-1] if x.shape[-1] else 0)
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", spy)
+    return seen
+
+
+def test_gemm_row_counts_are_few_and_pad_by_at_most_a_third():
+    counts = {gemm_rows(m) for m in range(1, 20001)}
+    assert len(counts) <= 2 * math.log2(20000 / GEMM_MIN_ROWS) + 2
+    for m in range(GEMM_MIN_ROWS + 1, 20001):
+        assert m <= gemm_rows(m) and gemm_rows(m) - m < gemm_rows(m) / 3  # under a third is padding
+    assert gemm_rows(1) == gemm_rows(GEMM_MIN_ROWS) == GEMM_MIN_ROWS and gemm_rows(33) == 48 and gemm_rows(49) == 64
+
+
+@pytest.mark.parametrize("shape", [(17, 64), (32, 64), (33, 64), (2, 50, 40), (511, 96), (512, 96), (513, 96),
+                                   (3, 700, 24), (1600, 8)])
+def test_bf16_gemm_runs_in_bounded_row_counts_and_each_row_is_its_linear(monkeypatch, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    k, n = shape[-1], 48
+    x = torch.randn(*shape, generator=g).bfloat16()
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    expected = F.linear(x.float(), w.float(), b.float())
+    plain = F.linear(x, w, b)
+    seen = gemm_row_counts(monkeypatch)
+    out = skinny.bounded_rows_linear(x, w, b)
+    assert seen == [gemm_rows(x.numel() // k)]
+    assert out.shape == (*shape[:-1], n) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    # bf16 output: one rounding of an fp32-accumulated dot product
+    tolerance = {"rtol": 2 ** -7, "atol": 2 ** -7 * expected.abs().max().item()}
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+    torch.testing.assert_close(out, plain, **tolerance)
+
+
+def test_only_bf16_on_the_cpu_is_bounded_and_an_empty_input_passes_through(monkeypatch):
+    assert skinny.gemm_rows_bounded(torch.randn(40, 16).bfloat16())
+    assert not skinny.gemm_rows_bounded(torch.randn(40, 16, device="meta").bfloat16())
+    assert not skinny.gemm_rows_bounded(torch.randn(40, 16))
+    assert not skinny.gemm_rows_bounded(torch.randn(40, 16).half())
+    seen = gemm_row_counts(monkeypatch)
+    out = skinny.bounded_rows_linear(torch.randn(2, 0, 16).bfloat16(), torch.randn(8, 16).bfloat16())
+    assert out.shape == (2, 0, 8) and seen == [0]
 
 
 def _int8_inputs(rows, n, k, x_dtype, seed, bias=True):

@@ -87,3 +87,24 @@ def test_int8_is_on_by_default_on_the_cpu_only(monkeypatch):
     monkeypatch.setenv("SGLANG_DFLASH_DRAFT_INT8", "0")
     assert not int8_wanted(torch.device("cpu"))
     assert ATTR == "sglang_dflash_int8"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hook_runs_bf16_prefills_in_bounded_row_counts_and_leaves_fp32_to_sglang(monkeypatch, dtype):
+    layer = _Linear(40, 32, dtype, torch.Generator().manual_seed(3))
+    x = torch.randn(77, 32, generator=torch.Generator().manual_seed(4)).to(dtype)
+    calls, rows = [], []
+    real = torch.nn.functional.linear
+
+    def original(method, layer, x, bias=None, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, layer.weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: rows.append(x.shape[0]) or real(x, w, b))
+    out = _unquantized_linear_around(original, layer.quant_method, layer, x)
+    expected = real(x.float(), layer.weight.float())
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item())
+    if dtype == torch.bfloat16:
+        assert not calls and rows == [96]  # 77 rows, padded to 96
+    else:
+        assert calls == [77]  # fp32 prefill: SGLang's own F.linear (MKL keeps no memory per shape)

@@ -8,6 +8,10 @@ except inside `batch_invariant()`: the decode and verify steps run there, since 
 rows by their count and a block of more than MAX_ROWS rows (a large tree, a batch of requests)
 would not compute what decoding its tokens one at a time computes (fp32: off by ~1e-5).
 
+`bounded_rows_linear` runs torch's GEMM in few row counts, the input zero-padded up to them:
+oneDNN's bf16 GEMM keeps memory for every row count it has run, so a server whose prefills come in
+every length would grow without end (the plugin's served linear layers use it, serving/cpu.py).
+
 `Int8Linear` holds its weight in int8 with one scale per row: a step that is bound by reading
 weights reads half the bytes of bf16. On a CPU with AVX512-VNNI its activations are quantized to
 int8 per row as well (`w8a8_linear`), since with fp32 arithmetic the int8 weights' conversions and
@@ -30,6 +34,7 @@ from sglang_dflash.ops import int8_dot_isa, runs_ours, skinny_linear, w8a8_linea
 MAX_ROWS = 16  # above this the weight is reused enough for BLAS to win (fp32, bf16)
 CHUNK_ROWS = 128  # rows of x per kernel call: 128 x 1536 fp32 values still fit in L2
 W8A8_MAX_K = 131072  # w8a8_linear's largest K (its int32 sums)
+GEMM_MIN_ROWS = 32  # the fewest rows bounded_rows_linear runs a GEMM at
 
 _scope = threading.local()  # .batch_invariant: inside `batch_invariant()` on this thread
 
@@ -100,6 +105,39 @@ def w8a8_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     loops would be slower than skinny_linear's fp32 path, which the weight keeps there."""
     return (weight_scale is not None and skinny_applies(x, weight, bias, weight_scale)
             and x.shape[-1] <= W8A8_MAX_K and _vnni() and runs_ours("w8a8_linear", "cpu"))
+
+
+def gemm_rows_bounded(x: torch.Tensor) -> bool:
+    """Whether the served linear hook runs F.linear on `x` through bounded_rows_linear: bf16 on the
+    CPU, where oneDNN takes it. fp32 goes to MKL, which stayed flat over every row count we tried,
+    and fp16 takes skinny_linear."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+def gemm_rows(rows: int) -> int:
+    """The row count a GEMM of `rows` rows runs at in bounded_rows_linear: the smallest of 32, 48,
+    64, 96, 128, 192, ... (2^j and 3 * 2^(j-1)) that holds them, so beyond 32 rows less than a third
+    of its rows are padding, and inputs of up to N rows meet about 2 log2(N / 32) row counts."""
+    if rows <= GEMM_MIN_ROWS:
+        return GEMM_MIN_ROWS
+    power = 1 << (rows - 1).bit_length()
+    return power * 3 // 4 if power * 3 // 4 >= rows else power
+
+
+def bounded_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) in one GEMM of gemm_rows(rows of x) rows: x zero-padded to that
+    many, the padding's output rows dropped. Each output row is still that row's linear; only the
+    memory the GEMM library keeps per row count is bounded (bench/linear_memory.py measures it)."""
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.numel() // k if k else 0
+    if rows == 0:
+        return F.linear(x, weight, bias)
+    padded = gemm_rows(rows)
+    source = x.reshape(rows, k)
+    if padded != rows:  # one copy of the rows into a zeroed buffer
+        source = x.new_zeros(padded, k)
+        source[:rows] = x.reshape(rows, k)
+    return F.linear(source, weight, bias)[:rows].view(*x.shape[:-1], n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

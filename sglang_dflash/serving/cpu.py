@@ -25,7 +25,8 @@ other device to SGLang:
      copies, `draft_int8.py`, where they have them, through `w8a8_linear` on VNNI CPUs): each
      weight read once, fp32 (or exact int32) accumulation, and each row's result bitwise
      independent of the other rows. fp32 and bf16
-     inputs of more than 16 rows (prefill) keep torch's GEMM; fp16 ones always take the kernel,
+     inputs of more than 16 rows (prefill) keep torch's GEMM (bf16 in a bounded set of row
+     counts, so oneDNN's per-shape memory stays bounded); fp16 ones always take the kernel,
      since torch's fp16 GEMM is slower on these CPUs at every row count (`models/skinny.py`);
    - decode attention (`TorchNativeAttnBackend.forward_decode`) runs `block_attention` with a
      block of one row, whose CPU kernel tiles keys by absolute position: a verify row's attention
@@ -187,7 +188,7 @@ def _dense_weight(layer):
 
 
 def _unquantized_linear_around(original, method, layer, x, bias=None, *args, **kwargs):
-    from sglang_dflash.models.skinny import linear, skinny, skinny_applies
+    from sglang_dflash.models.skinny import bounded_rows_linear, gemm_rows_bounded, linear, skinny, skinny_applies
     from sglang_dflash.serving.draft_int8 import int8_weight
 
     if not args and not kwargs:
@@ -197,6 +198,8 @@ def _unquantized_linear_around(original, method, layer, x, bias=None, *args, **k
         weight = _dense_weight(layer)
         if weight is not None and skinny_applies(x, weight, bias):
             return skinny(x, weight, bias)
+        if weight is not None and gemm_rows_bounded(x) and weight.dtype == x.dtype:
+            return bounded_rows_linear(x, weight, bias)  # prefill: SGLang's F.linear, in bounded row counts
     return original(method, layer, x, bias, *args, **kwargs)
 
 
