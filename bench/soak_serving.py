@@ -656,11 +656,6 @@ def merged(states: list[dict], names: list[str]) -> dict:
     return out
 
 
-def generate_requests_served(server: LocalServer) -> int:
-    """POST /generate requests the server has answered with 200, from its access log."""
-    return server.text().count('"POST /generate HTTP/1.1" 200')
-
-
 def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
@@ -697,7 +692,7 @@ def main() -> None:
             if args.servers > 1:
                 router = LocalRouter("router", backends, free_port(), tmp / "router.log")
                 front = Routed(router, backends)
-            served_before = [generate_requests_served(b) for b in backends]
+            served_before = [b.generate_requests_answered() for b in backends]
             with all_ready(*([router] if router else []), startup_timeout=120):
                 sample(0)
                 deadline = math.inf if args.time_limit is None else time.time() + args.time_limit
@@ -708,7 +703,7 @@ def main() -> None:
                 idle = merged([idle_state(b) for b in backends], names)
                 alive_after = front.post("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 4}})[
                     "meta_info"]["completion_tokens"] == 4
-                served = [generate_requests_served(b) - n for b, n in zip(backends, served_before, strict=True)]
+                served = [b.generate_requests_answered() - n for b, n in zip(backends, served_before, strict=True)]
                 sample(len(specs) + 1)  # idle, after the leak check and one more request
                 shutdown = merged([sigterm_in_flight(b, chat_texts(tokenizer, 6)) for b in backends], names)
     finally:

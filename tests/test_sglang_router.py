@@ -49,10 +49,6 @@ def _through(router: LocalRouter, i: int) -> tuple[int, list[int] | str]:
         return i, f"HTTP {e.code}: {e.read()[:200]!r}"
 
 
-def _generate_requests(server: LocalServer) -> int:
-    return server.text().count('"POST /generate HTTP/1.1" 200')
-
-
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
@@ -64,13 +60,13 @@ def routed(tmp_path_factory):
                            tmp / f"dflash-{i}.log") for i in range(2)]
     with all_ready(*servers, startup_timeout=STARTUP_TIMEOUT):
         alone = [_generate(servers[0], p)["output_ids"] for p in PROMPTS]
-        before = [_generate_requests(s) for s in servers]
+        before = [s.generate_requests_answered() for s in servers]
         router = LocalRouter("router", servers, free_port(), tmp / "router.log")
         with all_ready(router, startup_timeout=120):
             with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
                 answers = dict(pool.map(lambda i: _through(router, i), range(REQUESTS)))
             yield dict(alone=alone, answers=answers,
-                       served=[_generate_requests(s) - b for s, b in zip(servers, before, strict=True)])
+                       served=[s.generate_requests_answered() - b for s, b in zip(servers, before, strict=True)])
 
 
 def test_every_request_through_the_router_is_answered(routed):

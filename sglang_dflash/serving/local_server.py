@@ -211,6 +211,10 @@ class LocalServer:
                 raise TimeoutError(f"{self.name}: still busy after {timeout} s: {load}")
             time.sleep(0.5)
 
+    def generate_requests_answered(self) -> int:
+        """POST /generate requests this server has answered with 200, from its access log."""
+        return self.text().count('"POST /generate HTTP/1.1" 200')
+
     def abort(self, rid: str) -> None:
         """POST /abort_request for the request with id `rid` (sent as "rid" in its body)."""
         self.post("/abort_request", {"rid": rid}, timeout=30)
