@@ -16,7 +16,7 @@ clients, more than its --max-running-requests, so the scheduler queues, plus bur
 
 Checks, each a line of the report (exit status 1 if any fails):
   - every accepted request got a complete, well-formed answer (finish reason, token counts, no
-    token after an EOS or stop token, stop strings trimmed, logprobs per token, constraints met);
+    token after an EOS or stop token, none after a stop string, which is trimmed, logprobs per token, constraints met);
   - every malformed request got a 4xx answer;
   - after the run no request is left, the KV pool holds no slot (target and draft K/V share it),
     SGLang's own idle leak check stayed silent, resident memory grew by at most --max-rss-growth-mb;
@@ -59,6 +59,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -182,15 +183,15 @@ def build_requests(count: int, seed: int, tokenizer, context_length: int) -> lis
             specs.append(Spec(rid, f"malformed/{what}", body))
             continue
         params = {"max_new_tokens": max_new_tokens(rng), **sampling(rng)}
+        raw_prompt = None
         if rng.random() < 0.5:
             body = {"text": rng.choice(texts)}
         else:  # raw ids of any length up to the context limit, so long prompts and 1-token ones occur
-            room = context_length - params["max_new_tokens"] - 1
+            room = prompt_room(context_length, params["max_new_tokens"])
             length = min(room, int(math.exp(rng.uniform(0, math.log(room)))))
-            if rng.random() < 0.03:
-                length = room  # right at the limit
+            at_limit = rng.random() < 0.03
             start = rng.randrange(len(stream) - length)
-            body = {"input_ids": stream[start:start + length]}
+            raw_prompt, body = (start, length, at_limit), {}  # cut below, once max_new_tokens is final
         if rng.random() < 0.25:
             params["ignore_eos"] = True
         if rng.random() < 0.12:
@@ -217,7 +218,18 @@ def build_requests(count: int, seed: int, tokenizer, context_length: int) -> lis
         else:
             greedy = params["temperature"] == 0 and params.get("n", 1) == 1
             specs.append(Spec(rid, "generate", body, stream=stream_it, greedy=greedy))
+        if raw_prompt:
+            start, length, at_limit = raw_prompt
+            room = prompt_room(context_length, params["max_new_tokens"])
+            body["input_ids"] = stream[start:start + (room if at_limit else min(length, room))]
     return specs
+
+
+def prompt_room(context_length: int, max_new_tokens: int) -> int:
+    """The longest prompt SGLang accepts with this max_new_tokens: prompt and answer within the context
+    (TokenizerManager's check), and the prompt shorter than the scheduler's input limit, the context
+    minus 1 minus 5 reserved tokens (TpModelWorker, validate_input_length)."""
+    return min(context_length - max_new_tokens - 1, context_length - 7)
 
 
 # -- sending ---------------------------------------------------------------------------------
@@ -286,7 +298,23 @@ def read_stream(response, spec: Spec) -> dict:
 # -- checking one answer ---------------------------------------------------------------------
 
 
-def check(spec: Spec, result: dict, eos_ids: set[int], context_length: int) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """What an answer is checked against: the model's EOS ids, the server's context length, and the
+    tokenizer's decode keeping special tokens (SGLang matches stop strings on that text, while the
+    text it returns skips them: a stop string that spans a skipped special token ends nothing)."""
+
+    eos_ids: set[int]
+    context_length: int
+    decode_with_special_tokens: Callable[[list[int]], str]
+
+    @classmethod
+    def of(cls, tokenizer, context_length: int) -> Rules:
+        return cls({tokenizer.eos_token_id}, context_length,
+                   lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def check(spec: Spec, result: dict, rules: Rules) -> list[str]:
     """What is wrong with `result` as the answer to `spec` (empty: nothing), by SGLang's rules."""
     if spec.kind.startswith("malformed/"):
         ok = result["status"] is not None and 400 <= result["status"] < 500
@@ -301,7 +329,7 @@ def check(spec: Spec, result: dict, eos_ids: set[int], context_length: int) -> l
     if len(answers) != params.get("n", 1):
         problems.append(f"{len(answers)} answers for n={params.get('n', 1)}")
     for answer in answers:
-        problems += check_answer(spec, answer, params, eos_ids, context_length)
+        problems += check_answer(spec, answer, params, rules)
     return problems
 
 
@@ -311,7 +339,7 @@ def token_budget(max_new_tokens: int, prompt_tokens: int, context_length: int) -
     return max(0, min(max_new_tokens, context_length - 2 - prompt_tokens))
 
 
-def check_answer(spec: Spec, answer: dict, params: dict, eos_ids: set[int], context_length: int) -> list[str]:
+def check_answer(spec: Spec, answer: dict, params: dict, rules: Rules) -> list[str]:
     meta, ids = answer.get("meta_info") or {}, answer.get("output_ids")
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type")
@@ -327,7 +355,7 @@ def check_answer(spec: Spec, answer: dict, params: dict, eos_ids: set[int], cont
     problems = []
     if meta["completion_tokens"] != len(ids):
         problems.append(f"completion_tokens {meta['completion_tokens']} but {len(ids)} output ids")
-    budget = token_budget(params["max_new_tokens"], meta["prompt_tokens"], context_length)
+    budget = token_budget(params["max_new_tokens"], meta["prompt_tokens"], rules.context_length)
     if len(ids) > budget:
         problems.append(f"{len(ids)} tokens for a budget of {budget}")
     if kind == "length" and len(ids) != budget:
@@ -335,12 +363,16 @@ def check_answer(spec: Spec, answer: dict, params: dict, eos_ids: set[int], cont
     if kind not in ("length", "stop"):
         problems.append(f"finish reason {finish}")
     # ignore_eos turns off stop token ids too (Req._check_token_based_finish).
-    stop_ids = set() if params.get("ignore_eos") else set(params.get("stop_token_ids", ())) | eos_ids
+    stop_ids = set() if params.get("ignore_eos") else set(params.get("stop_token_ids", ())) | rules.eos_ids
     if any(t in stop_ids for t in ids[:-1]):
         problems.append("tokens after a stop token")
+    # A stop string ends the answer at the token that completes it: none before that token holds it.
+    before_last = rules.decode_with_special_tokens(ids[:-1])
     for s in params.get("stop", ()):
-        if s in answer["text"]:
-            problems.append(f"stop string {s!r} left in the text")
+        if s in before_last:
+            problems.append(f"stop string {s!r} inside the answer, before its last token")
+    if kind == "stop" and isinstance(finish.get("matched"), str) and finish["matched"] in answer["text"]:
+        problems.append(f"stop string {finish['matched']!r} left in the text")
     if spec.body.get("return_logprob"):
         logprobs = meta.get("output_token_logprobs") or []
         if len(logprobs) != len(ids) or any(not (lp <= 0.0 and math.isfinite(lp)) for lp, *_ in logprobs):
@@ -530,7 +562,7 @@ def add_fp32_margins(divergences: list[dict], target: Path, tokenizer) -> None:
         d.update(logit_margin(logits, d["plain"][0], d["dflash"][0]))
 
 
-def summarize(specs: list[Spec], results: list, eos_ids: set[int], context_length: int) -> dict:
+def summarize(specs: list[Spec], results: list, rules: Rules) -> dict:
     by_kind, problems, lost = {}, [], 0
     for spec, result in zip(specs, results, strict=True):
         kind = spec.kind.split("/")[0]
@@ -540,7 +572,7 @@ def summarize(specs: list[Spec], results: list, eos_ids: set[int], context_lengt
             continue
         counts["sent"] += 1
         try:
-            found = check(spec, result, eos_ids, context_length)
+            found = check(spec, result, rules)
         except Exception as e:  # noqa: BLE001 -- an answer the checker cannot read is a finding, not a crash
             found = [f"unreadable answer ({type(e).__name__}: {e}): {json.dumps(result)[:300]}"]
         if found:
@@ -664,7 +696,6 @@ def main() -> None:
     draft = resolve_draft(args.draft)
     info = run_info({"target": target, "draft": draft})
     tokenizer = AutoTokenizer.from_pretrained(target)
-    eos_ids = {tokenizer.eos_token_id}
     specs = build_requests(args.requests, args.seed, tokenizer, args.context_length)
     tmp = Path(tempfile.mkdtemp(prefix="soak_serving_"))
     extra = ["--context-length", str(args.context_length), "--max-running-requests", str(args.max_running_requests),
@@ -718,7 +749,7 @@ def main() -> None:
             body = spec.body.decode(errors="replace") if isinstance(spec.body, bytes) else spec.body
             f.write(json.dumps({"id": spec.id, "kind": spec.kind, "stream": spec.stream, "body": body,
                                 "result": result}) + "\n")
-    summary = summarize(specs, results, eos_ids, args.context_length)
+    summary = summarize(specs, results, Rules.of(tokenizer, args.context_length))
     summary["step_mix"] = step_mix(results)
     if args.servers > 1:
         summary["served_by_backend"] = served

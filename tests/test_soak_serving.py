@@ -24,8 +24,13 @@ def _answer(ids, text="a b", finish=None, prompt_tokens=5, **meta):
         "completion_tokens": len(ids), "prompt_tokens": prompt_tokens, "finish_reason": finish, **meta}}}
 
 
+def _decode(ids):
+    """A stand-in tokenizer: id 3 is ".", 4 is a newline, EOS a special token, others one letter each."""
+    return "".join({3: ".", 4: "\n", EOS: "<eos>"}.get(i, chr(ord("a") + i % 26)) for i in ids)
+
+
 def _check(spec, result, eos_ids):
-    return soak.check(spec, result, eos_ids, CONTEXT)
+    return soak.check(spec, result, soak.Rules(eos_ids, CONTEXT, _decode))
 
 
 def test_a_well_formed_answer_passes():
@@ -39,11 +44,20 @@ def test_a_well_formed_answer_passes():
     ([5, 6], {"type": "length", "length": 2}, {}, "a", "finish length after 2 of 8"),
     (list(range(3, 12)), None, {}, "a", "9 tokens for a budget of 8"),
     ([5, 6], {"type": "stop", "matched": "."}, {"stop": ["."]}, "a.", "stop string '.' left"),
+    ([5, 3, 6, 3], {"type": "stop", "matched": "."}, {"stop": ["."]}, "f", "stop string '.' inside the answer"),
+    ([5, 4, 4, 6], None, {"stop": ["\n\n"]}, "f\n\ng", "inside the answer, before its last token"),
     ([5], {"type": "abort"}, {}, "a", "finish reason"),
 ])
 def test_each_defect_of_an_answer_is_named(ids, finish, params, text, want):
     problems = _check(_spec(**params), _answer(ids, text=text, finish=finish), {EOS})
     assert any(want in p for p in problems), problems
+
+
+def test_a_stop_string_spanning_a_special_token_ends_nothing_as_in_sglang():
+    """SGLang matches stop strings on the decode that keeps special tokens, and returns text that skips
+    them: "\n<eos>\n" does not stop on "\n\n", yet its text holds "\n\n" (plain servers do the same)."""
+    ids = [5, 4, EOS, 4, 6, 7, 8, 9]
+    assert _check(_spec(stop=["\n\n"], ignore_eos=True), _answer(ids, text="f\n\nghij"), {EOS}) == []
 
 
 def test_ignore_eos_allows_eos_and_stop_ids_inside_the_answer():
@@ -103,15 +117,19 @@ def test_the_request_mix_covers_every_feature_and_stays_inside_the_context():
     from sglang_dflash.engine.packaged import packaged_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(packaged_model_dir("smollm2-135m"))
-    specs = soak.build_requests(1000, 0, tokenizer, context_length=2048)
-    assert specs == soak.build_requests(1000, 0, tokenizer, context_length=2048)  # seeded
+    specs = soak.build_requests(5000, 0, tokenizer, context_length=2048)
+    assert specs == soak.build_requests(5000, 0, tokenizer, context_length=2048)  # seeded
     kinds = {s.kind.split("/")[0] for s in specs}
     assert kinds == {"generate", "malformed", "disconnect", "abort"}
     bodies = [s.body for s in specs if isinstance(s.body, dict) and "rid" in s.body]
     params = [b["sampling_params"] for b in bodies]
     lengths = [len(b["input_ids"]) for b in bodies if "input_ids" in b]
     assert min(lengths) == 1 and max(lengths) > 1800
-    assert all(len(b.get("input_ids", ())) + b["sampling_params"]["max_new_tokens"] < 2048 for b in bodies)
+    # SGLang refuses prompt + max_new_tokens past the context, and a prompt of 2048 - 6 tokens or more
+    # (its input limit); the soak's faults raise max_new_tokens after the prompt is drawn, so the 5,000
+    # requests include prompts right at both limits.
+    totals = [len(b.get("input_ids", ())) + b["sampling_params"]["max_new_tokens"] for b in bodies]
+    assert max(totals) == 2047 and max(lengths) == 2041
     for key in ("stop", "stop_token_ids", "ignore_eos", "json_schema", "regex", "top_k", "top_p", "min_p", "n",
                 "sampling_seed"):
         assert any(key in p for p in params), key
@@ -126,7 +144,7 @@ def test_an_answer_missing_fields_is_a_finding_and_an_abort_while_queued_is_fine
     no_prompt_tokens = {"status": 200, "answer": {"text": "", "output_ids": [5], "meta_info": {
         "completion_tokens": 1, "finish_reason": {"type": "length", "length": 1}}}}
     assert any("without prompt_tokens" in p for p in _check(_spec(), no_prompt_tokens, {EOS}))
-    summary = soak.summarize([_spec()], [{"status": 200, "answer": "not a dict"}], {EOS}, CONTEXT)
+    summary = soak.summarize([_spec()], [{"status": 200, "answer": "not a dict"}], soak.Rules({EOS}, CONTEXT, _decode))
     assert summary["requests_with_problems"] == 1 and "unreadable answer" in summary["problems"][0]["problems"][0]
 
 
