@@ -26,8 +26,9 @@ against 24.8 in another.) The configurations:
 
 The requests are the first --samples prompts of HumanEval, GSM8K test and MT-Bench in the
 target's chat template, streamed from /generate at every temperature and at every concurrency
-level c (each prompt once per level and server, in rounds of c concurrent requests; the radix
-cache is flushed before each level). A server's output tok/s at a level is its tokens over the
+level c (each prompt once per level and server, in rounds of c concurrent requests, prompts
+repeated in turn when c exceeds their count so that a round holds c; the radix cache is flushed
+before each level). A server's output tok/s at a level is its tokens over the
 summed wall time of its rounds. Per server, temperature and concurrency it records output tok/s, p50/p99 time per output
 token, mean time to first token and DFLASH's acceptance; per non-plain server, the tok/s ratio to
 `plain` (and to `plain-plugin`), and its greedy parity twice: against `plain-plugin` (which must
@@ -393,6 +394,13 @@ def rounds(items: list, concurrency: int, servers: list) -> list[tuple[list, lis
     return [(chunk, servers[i % n:] + servers[:i % n]) for i, chunk in enumerate(chunks)]
 
 
+def level_prompts(prompts: list[Prompt], concurrency: int) -> list[Prompt]:
+    """A level's requests: every prompt once, and at a concurrency above the prompt count the prompts
+    again in turn until `concurrency` requests fill the round (a level past the server's running
+    slots then queues, as it would under that many clients)."""
+    return [prompts[i % len(prompts)] for i in range(max(len(prompts), concurrency))]
+
+
 def run_one_level(run: Run, servers: list[LocalServer], temperature: float, concurrency: int, bar) -> list[dict]:
     """One temperature x concurrency level on every server, in rounds; one level record per server."""
     # Every level starts from an empty prefix cache, or later levels would skip the prefills. With a
@@ -402,7 +410,7 @@ def run_one_level(run: Run, servers: list[LocalServer], temperature: float, conc
         server.post(f"/flush_cache?timeout={FLUSH_TIMEOUT}", {})
     results = {server.name: [] for server in servers}
     walls = dict.fromkeys(results, 0.0)
-    for chunk, order in rounds(run.prompts, concurrency, servers):
+    for chunk, order in rounds(level_prompts(run.prompts, concurrency), concurrency, servers):
         for server in order:
             def send(prompt: Prompt, server=server) -> dict:
                 body = request_body(prompt, temperature, run.args.max_new_tokens)
@@ -437,7 +445,8 @@ def run_servers(run: Run, configs: list[ServerConfig]) -> list[dict]:
             if server is not None:
                 servers.append(server)
         levels = []
-        total = len(run.args.temperatures) * len(run.args.concurrency) * len(run.prompts) * len(servers)
+        total = len(run.args.temperatures) * len(servers) * sum(
+            len(level_prompts(run.prompts, c)) for c in run.args.concurrency)
         with tqdm(total=total, desc="requests", unit="req") as bar:
             for temperature in run.args.temperatures:
                 for concurrency in run.args.concurrency:

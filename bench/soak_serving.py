@@ -32,7 +32,8 @@ Reported, not checked: the same greedy requests against a stock plain server (SG
 whose decoding the plugin changes; each difference, in both comparisons, with its request, position
 and the fp32 target's logit margin at the first differing token (near-ties: |margin| <= --near-tie).
 
-With --servers N > 1, N such servers sit behind SGLang's router (sglang-router), which takes every
+With --servers N > 1, N such servers, each on its own share of the cores (SGLANG_CPU_OMP_THREADS_BIND),
+sit behind SGLang's router (sglang-router), which takes every
 request (aborts go to each server: the router does not forward them); each server's processes and the
 router's are sampled, every server must have answered requests, each server is checked idle and
 SIGTERMed under load, and the greedy answers are compared with one DFLASH server alone instead.
@@ -73,6 +74,7 @@ from sglang_dflash.serving.local_server import (
     LocalRouter,
     LocalServer,
     all_ready,
+    core_groups,
     free_port,
     launch_args,
     server_env,
@@ -703,8 +705,12 @@ def main() -> None:
     print(f"{len(specs)} requests, {args.clients} clients, {args.servers} server(s); server logs in {tmp}")
 
     names = ["dflash"] if args.servers == 1 else [f"dflash-{i}" for i in range(args.servers)]
-    backends = [LocalServer(name, launch_args(target, free_port(), draft=draft, extra=extra), server_env(tmp),
-                            tmp / f"{name}.log") for name in names]
+    # Servers sharing this machine each get their own cores (when there are enough).
+    cores = core_groups(args.servers) if args.servers > 1 else None
+    envs = [server_env(tmp) if cores is None else server_env(tmp, SGLANG_CPU_OMP_THREADS_BIND=group)
+            for group in (cores or [None] * args.servers)]
+    backends = [LocalServer(name, launch_args(target, free_port(), draft=draft, extra=extra), env,
+                            tmp / f"{name}.log") for name, env in zip(names, envs, strict=True)]
     router = None
     rss_samples, by_process = [], []
 
@@ -766,6 +772,7 @@ def main() -> None:
     out = args.out or ROOT / "bench" / "results" / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     setup = {"target": str(target), "draft": str(draft), "server_args": extra, "servers": args.servers,
+             "cores_per_server": cores,
              "router": "sglang_router.launch_router --policy cache_aware" if router else None,
              "requests": args.requests, "clients": args.clients, "burst_size": args.burst_size, "seed": args.seed,
              "time_limit_s": args.time_limit, "parity_requests": args.parity_requests, "log_dir": str(tmp),

@@ -197,6 +197,14 @@ def test_run_level_bounds_concurrency_and_stops_at_the_deadline():
     assert results == [None] * 4
 
 
+def test_a_level_past_the_prompt_count_repeats_prompts_to_fill_its_concurrency():
+    prompts = ["a", "b", "c"]
+    assert bs.level_prompts(prompts, 1) == prompts and bs.level_prompts(prompts, 3) == prompts
+    eight = bs.level_prompts(prompts, 8)
+    assert eight == ["a", "b", "c", "a", "b", "c", "a", "b"]
+    assert [chunk for chunk, _ in bs.rounds(eight, 8, ["plain"])] == [eight]  # one round of 8 at once
+
+
 def test_rounds_give_every_server_each_chunk_and_rotate_who_goes_first():
     servers = ["plain", "dflash", "tree"]
     got = bs.rounds(list(range(7)), 3, servers)

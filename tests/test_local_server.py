@@ -11,7 +11,20 @@ import time
 import pytest
 
 from sglang_dflash import settings
-from sglang_dflash.serving.local_server import SERVER_PORTS, LocalServer, free_port, server_env
+from sglang_dflash.serving import local_server
+from sglang_dflash.serving.local_server import SERVER_PORTS, LocalServer, core_groups, free_port, server_env
+
+
+@pytest.mark.parametrize("cores, count, want", [
+    ({0, 1}, 2, ["0", "1"]),
+    ({0, 1, 2, 3, 4, 5, 6, 7}, 2, ["0-3", "4-7"]),
+    ({0, 2, 4, 6}, 2, ["0,2", "4,6"]),
+    ({3, 4, 5}, 1, ["3-5"]),
+    ({0}, 2, None),
+])
+def test_servers_sharing_a_machine_get_disjoint_core_groups(monkeypatch, cores, count, want):
+    monkeypatch.setattr(local_server.os, "sched_getaffinity", lambda pid: cores)
+    assert core_groups(count) == want
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_bindable():

@@ -85,6 +85,20 @@ def server_env(tmp_dir: Path, **overrides: str) -> dict:
     return env
 
 
+def core_groups(count: int) -> list[str] | None:
+    """This process's cores in `count` contiguous groups, each in SGLANG_CPU_OMP_THREADS_BIND's syntax
+    ("0", "2-3"): one group per server (or per data-parallel rank, joined by "|"), so that servers
+    sharing a machine do not share cores: OpenMP threads spin while they wait, and two servers on the
+    same cores slow each other down several times over. None when there are fewer cores than groups."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < count:
+        return None
+    size = len(cores) // count
+    groups = [cores[i * size:(i + 1) * size] for i in range(count)]
+    return [str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" if g == list(range(g[0], g[-1] + 1))
+            else ",".join(map(str, g)) for g in groups]
+
+
 def launch_args(model_path: Path, port: int, *, draft: Path | None = None, extra=()) -> list[str]:
     """`python -m sglang.launch_server` on CPU at 127.0.0.1:port; DFLASH with `draft` when given.
     --sleep-on-idle: an idle SGLang scheduler otherwise polls its sockets in a busy loop, a whole
