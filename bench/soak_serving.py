@@ -32,7 +32,7 @@ Reported, not checked: the same greedy requests against a stock plain server (SG
 whose decoding the plugin changes; each difference, in both comparisons, with its request, position
 and the fp32 target's logit margin at the first differing token (near-ties: |margin| <= --near-tie).
 
-With --servers N > 1, N such servers, each on its own share of the cores (SGLANG_CPU_OMP_THREADS_BIND),
+With --servers N > 1, N such servers, each on its own share of the cores (LocalServer's `cores`),
 sit behind SGLang's router (sglang-router), which takes every
 request (aborts go to each server: the router does not forward them); each server's processes and the
 router's are sampled, every server must have answered requests, each server is checked idle and
@@ -706,11 +706,9 @@ def main() -> None:
 
     names = ["dflash"] if args.servers == 1 else [f"dflash-{i}" for i in range(args.servers)]
     # Servers sharing this machine each get their own cores (when there are enough).
-    cores = core_groups(args.servers) if args.servers > 1 else None
-    envs = [server_env(tmp) if cores is None else server_env(tmp, SGLANG_CPU_OMP_THREADS_BIND=group)
-            for group in (cores or [None] * args.servers)]
-    backends = [LocalServer(name, launch_args(target, free_port(), draft=draft, extra=extra), env,
-                            tmp / f"{name}.log") for name, env in zip(names, envs, strict=True)]
+    cores = (core_groups(args.servers) if args.servers > 1 else None) or [None] * args.servers
+    backends = [LocalServer(name, launch_args(target, free_port(), draft=draft, extra=extra), server_env(tmp),
+                            tmp / f"{name}.log", cores=group) for name, group in zip(names, cores, strict=True)]
     router = None
     rss_samples, by_process = [], []
 

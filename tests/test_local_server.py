@@ -4,6 +4,7 @@ SGLang)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -16,15 +17,30 @@ from sglang_dflash.serving.local_server import SERVER_PORTS, LocalServer, core_g
 
 
 @pytest.mark.parametrize("cores, count, want", [
-    ({0, 1}, 2, ["0", "1"]),
-    ({0, 1, 2, 3, 4, 5, 6, 7}, 2, ["0-3", "4-7"]),
-    ({0, 2, 4, 6}, 2, ["0,2", "4,6"]),
-    ({3, 4, 5}, 1, ["3-5"]),
+    ({0, 1}, 2, [[0], [1]]),
+    ({0, 1, 2, 3, 4, 5, 6, 7}, 2, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ({0, 2, 4, 6, 8}, 2, [[0, 2], [4, 6]]),
+    ({3, 4, 5}, 1, [[3, 4, 5]]),
     ({0}, 2, None),
 ])
 def test_servers_sharing_a_machine_get_disjoint_core_groups(monkeypatch, cores, count, want):
     monkeypatch.setattr(local_server.os, "sched_getaffinity", lambda pid: cores)
     assert core_groups(count) == want
+
+
+def test_a_server_given_cores_runs_only_on_them(tmp_path):
+    core = sorted(os.sched_getaffinity(0))[-1]
+    code = ("import os, time; print('cores', sorted(os.sched_getaffinity(0)), flush=True); "
+            "print('Uvicorn running on', flush=True); time.sleep(60)")
+    server = LocalServer("pinned", [sys.executable, "-c", code, "--port", str(free_port())], dict(os.environ),
+                         tmp_path / "pinned.log", cores=[core])
+    try:
+        deadline = time.time() + 30
+        while "cores" not in server.text() and time.time() < deadline:
+            time.sleep(0.1)
+        assert f"cores [{core}]" in server.text()
+    finally:
+        server.stop(timeout=5)
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_bindable():
