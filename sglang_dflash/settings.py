@@ -67,8 +67,8 @@ TREE_TOPK = Setting(
     "the drafter's choices per block position the trees grow from (at most 64)")
 BATCH_INVARIANT = Setting(
     "SGLANG_DFLASH_BATCH_INVARIANT", bool, True,
-    "CPU linear layers, the LM head and decode attention run our batch-invariant kernels, so greedy DFLASH output "
-    "equals plain decoding's (plain CPU serving uses them too); off: SGLang's")
+    "CPU linear layers, the LM head, and decode and prefill attention run our batch-invariant kernels, so greedy "
+    "DFLASH output equals plain decoding's (plain CPU serving uses them too); off: SGLang's")
 DRAFT_INT8 = Setting(
     "SGLANG_DFLASH_DRAFT_INT8", bool, True,
     "on CPU the drafter's linear layers, `fc` and draft LM head run int8 weights with one scale per row (activations "

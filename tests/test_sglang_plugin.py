@@ -660,6 +660,83 @@ def test_ngram_tree_verify_runs_block_attention_over_its_trees():
     assert not covers(layer, fb, q, pool.get_key_buffer(0))
 
 
+WIDTH = 160  # table columns per request in the prefill tests
+
+
+def _prefill(pool, table, layer, q, k, v, requests, new_tokens, prefixes, mode=None):
+    """paged_prefill_attention of one EXTEND batch: requests[i] gets new_tokens[i] rows after its
+    prefixes[i] cached ones; q/k/v hold every request's whole prompt, the new rows are cut out."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_dflash.serving.attention import covers_prefill, paged_prefill_attention
+
+    pick = torch.cat([torch.arange(p, p + n) + WIDTH * r
+                      for r, n, p in zip(requests, new_tokens, prefixes, strict=True)])
+    fb = types.SimpleNamespace(
+        forward_mode=mode or ForwardMode.EXTEND, encoder_lens=None, req_pool_indices=torch.tensor(requests),
+        extend_seq_lens_cpu=list(new_tokens), extend_prefix_lens=torch.tensor(prefixes),
+        out_cache_loc=torch.cat([table[r, p:p + n] for r, n, p in zip(requests, new_tokens, prefixes,
+                                                                          strict=True)]).long(),
+    )
+    assert covers_prefill(layer, fb, q, pool.get_key_buffer(0))
+    return paged_prefill_attention(q[pick], k[pick], v[pick], layer, fb, kv_pool=pool, req_to_token=table), pick
+
+
+@pytest.mark.parametrize("dtype, window", [(torch.float32, -1), (torch.bfloat16, -1), (torch.float32, 5)])
+def test_prefill_attention_is_the_same_bits_however_the_prefix_cache_split_the_prompt(dtype, window):
+    """A prompt prefilled in one go, in two parts (the first cached), or decoded token by token: every
+    row's attention is the same bits, and equals the reference within rounding."""
+    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_dflash.serving.attention import paged_block_attention
+
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, dim, lengths = 6, 2, 32, [150, 1, 70]  # blocks of PREFILL_BLOCK_ROWS, and a rest
+    requests = [0, 1, 2]
+    layer = RadixAttention(hq, dim, 0.2, hkv, layer_id=0, attn_type=AttentionType.DECODER, sliding_window_size=window)
+    q, k, v = (torch.randn(WIDTH * len(requests), h * dim, generator=gen).to(dtype) for h in (hq, hkv, hkv))
+    table = (torch.arange(WIDTH * len(requests)).view(len(requests), WIDTH) + 1).int()
+
+    def fresh_pool():
+        pool = MHATokenToKVPool(size=WIDTH * len(requests) + 8, page_size=1, dtype=dtype, head_num=hkv,
+                                head_dim=dim, layer_num=1, device="cpu", enable_memory_saver=False)
+        pool.get_key_buffer(0).fill_(float("nan"))  # slots not written yet must never be read
+        pool.get_value_buffer(0).fill_(float("nan"))
+        return pool
+
+    pool = fresh_pool()
+    whole, _ = _prefill(pool, table, layer, q, k, v, requests, lengths, [0, 0, 0])
+    by_request = dict(zip(requests, whole.split(lengths), strict=True))
+    for r, n in zip(requests, lengths, strict=True):  # the reference, one request at a time
+        rows = slice(WIDTH * r, WIDTH * r + n)
+        expected = reference.block_attention(
+            q[rows].view(-1, hq, dim).float(), k[rows].view(-1, hkv, dim).float(), v[rows].view(-1, hkv, dim).float(),
+            pool.get_key_buffer(0).float(), pool.get_value_buffer(0).float(), table, torch.tensor([r]),
+            torch.tensor([0]), n, sm_scale=0.2, window=window + 1 if window > -1 else -1, causal_block=True,
+        )
+        torch.testing.assert_close(by_request[r].float(), expected.reshape(n, -1), rtol=2e-2, atol=2e-2)
+
+    split = fresh_pool()
+    cut = [41, 0, 64]
+    first, _ = _prefill(split, table, layer, q, k, v, requests, cut, [0, 0, 0])
+    remaining = [n - c for n, c in zip(lengths, cut, strict=True)]
+    rest, _ = _prefill(split, table, layer, q, k, v, requests, remaining, cut, mode=ForwardMode.MIXED)
+    for r, (head, tail) in enumerate(zip(first.split(cut), rest.split(remaining), strict=True)):
+        assert torch.equal(torch.cat([head, tail]), by_request[r]), r
+
+    decoded = fresh_pool()
+    _prefill(decoded, table, layer, q, k, v, [0], [1], [0])
+    for i in range(1, lengths[0]):  # request 0 decoded token by token after its first
+        fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, encoder_lens=None,
+                                   req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([i + 1]),
+                                   out_cache_loc=table[0, i:i + 1].long())
+        row = paged_block_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], layer, fb, kv_pool=decoded,
+                                    req_to_token=table, decode=True)
+        assert torch.equal(row[0], by_request[0][i]), i
+
+
 def test_attention_swap_leaves_other_calls_to_sglang():
     from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.model_executor.forward_batch_info import ForwardMode

@@ -98,6 +98,18 @@ def covers_decode(layer, forward_batch, q, k_cache) -> bool:
     return _layer_covered(layer, q, k_cache)
 
 
+def covers_prefill(layer, forward_batch, q, k_cache) -> bool:
+    """Whether `paged_prefill_attention` computes this call: a prefill (EXTEND, or MIXED: prefills
+    and decodes in one batch), each request's new tokens attending causally to its cached prefix and
+    to each other."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    mode = getattr(forward_batch, "forward_mode", None)
+    if mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or getattr(forward_batch, "encoder_lens", None) is not None:
+        return False
+    return _causal(layer) and _layer_covered(layer, q, k_cache)
+
+
 def _layer_covered(layer, q, k_cache) -> bool:
     import torch
 
@@ -191,6 +203,65 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
         tree_parents=tree,
     )
     return out.reshape(n_rows, hq * layer.v_head_dim)
+
+
+# Rows of a prefill per block_attention block: a block computes all its rows against all its keys, the
+# causal mask discarding half, so a long prompt goes in many short blocks (32 rows: 1.7x SDPA at
+# 2,000 tokens in bench_ops, against 0.8x as one block), which also gives the kernel more tasks.
+PREFILL_BLOCK_ROWS = 32
+
+
+def prefill_attention(q, k, v, k_cache, v_cache, req_to_token, req_pool_index, prefix_len: int, *, sm_scale: float,
+                      window: int = -1):
+    """Causal attention of one request's new tokens (q [n, Hq, D], k / v [n, Hkv, D], already in the
+    pool after its `prefix_len` cached ones) over the prefix and each other, by block_attention in
+    blocks of PREFILL_BLOCK_ROWS rows, each over the pool's tokens before it. The kernel tiles keys by
+    absolute position, so every row is the same bits as decoding its token alone."""
+    import torch
+
+    from sglang_dflash.ops import block_attention
+
+    n, rows = q.shape[0], PREFILL_BLOCK_ROWS
+    full, rest = divmod(n, rows)
+    parts = []
+    for count, block, first in ((full, rows, 0), (1 if rest else 0, rest, full * rows)):
+        if not count:
+            continue
+        picked = slice(first, first + count * block)
+        starts = prefix_len + first + block * torch.arange(count, dtype=torch.int64)
+        parts.append(block_attention(q[picked], k[picked], v[picked], k_cache, v_cache, req_to_token,
+                                     req_pool_index.expand(count), starts, block, sm_scale=sm_scale, window=window,
+                                     causal_block=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def paged_prefill_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_token, swa_loc=None,
+                            save_kv_cache=True):
+    """One prefill attention layer: writes the new tokens' K/V to the pool, then `prefill_attention`
+    per request. Every row then computes, bit for bit, what decoding its token would, so a prompt's
+    K/V and first token do not depend on how much of it the prefix cache held (SGLang's SDPA rounds
+    by the shape of the call). Returns [rows, Hq * D]."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    hq, hkv, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+    k, v = k.reshape(-1, hkv, dim), v.reshape(-1, hkv, layer.v_head_dim)
+    if save_kv_cache:
+        kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, swa_loc), k, v)
+    q3 = q.reshape(-1, hq, dim)
+    k_cache, v_cache = kv_pool.get_key_buffer(layer.layer_id), kv_pool.get_value_buffer(layer.layer_id)
+    new_tokens, prefixes = forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens.tolist()
+    if sum(new_tokens) != q3.shape[0]:
+        raise RuntimeError(f"prefill of {q3.shape[0]} rows for new token counts {list(new_tokens)}")
+    out = q3.new_empty(q3.shape[0], hq, layer.v_head_dim)
+    start, window = 0, layer_window(layer)
+    for i, (n, prefix) in enumerate(zip(new_tokens, prefixes, strict=True)):
+        rows = slice(start, start + n)
+        if n:
+            out[rows] = prefill_attention(q3[rows], k[rows].to(q3.dtype), v[rows].to(q3.dtype), k_cache, v_cache,
+                                          req_to_token, forward_batch.req_pool_indices[i:i + 1], prefix,
+                                          sm_scale=layer.scaling, window=window)
+        start += n
+    return out.reshape(q3.shape[0], hq * layer.v_head_dim)
 
 
 def gpu_choice(op: str, device) -> tuple[bool, str]:

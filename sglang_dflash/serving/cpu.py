@@ -30,7 +30,12 @@ other device to SGLang:
      since torch's fp16 GEMM is slower on these CPUs at every row count (`models/skinny.py`);
    - decode attention (`TorchNativeAttnBackend.forward_decode`) runs `block_attention` with a
      block of one row, whose CPU kernel tiles keys by absolute position: a verify row's attention
-     is bitwise the decode of that token.
+     is bitwise the decode of that token;
+   - prefill attention (`forward_extend` in EXTEND or MIXED mode) runs it too, each request's new
+     tokens a causal block over its cached prefix: a prompt's K/V and first token are then the same
+     bits whether the prefix cache held part of it or none (SGLang's SDPA blocks its keys by the
+     query length, so a cached prefix changed the rounding, and a near-tie could flip the first
+     token).
    So a verify pass computes, for every token, exactly the numbers plain decoding computes one
    token at a time: greedy DFLASH output equals the plain server's (with the plugin) token for
    token, by construction, at any batch size or block size.
@@ -168,13 +173,16 @@ def _extend_kwargs_around(original, runner, forward_batch, *args, **kwargs):
 
 def _torch_native_extend_around(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
     pool = backend.token_to_kv_pool
-    if kw or not attention.covers(layer, forward_batch, q, pool.get_key_buffer(layer.layer_id)):
-        # Not a DFLASH block (e.g. an EAGLE/NGRAM tree with a custom mask): SGLang's own path.
-        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
-    return attention.paged_block_attention(
-        q, k, v, layer, forward_batch, kv_pool=pool, req_to_token=backend.req_to_token_pool.req_to_token,
-        swa_loc=backend.swa_out_cache_loc, save_kv_cache=save_kv_cache,
-    )
+    k_cache = pool.get_key_buffer(layer.layer_id)
+    where = dict(kv_pool=pool, req_to_token=backend.req_to_token_pool.req_to_token,
+                 swa_loc=backend.swa_out_cache_loc, save_kv_cache=save_kv_cache)
+    if not kw and attention.covers(layer, forward_batch, q, k_cache):
+        return attention.paged_block_attention(q, k, v, layer, forward_batch, **where)
+    if (not kw and k is not None and v is not None and batch_invariant_enabled()
+            and attention.covers_prefill(layer, forward_batch, q, k_cache)):
+        return attention.paged_prefill_attention(q, k, v, layer, forward_batch, **where)
+    # Neither (e.g. an EAGLE/NGRAM tree with a custom mask, cross attention): SGLang's own path.
+    return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
 
 
 def _dense_weight(layer):
