@@ -56,9 +56,6 @@ MANIFEST = {
     "serving_smollm2-135m.json": Entry(
         "make bench-serving", "SGLang servers on the CPU side by side: plain and DFLASH configurations",
         ("serving_smollm2-135m.png",)),
-    "serving_smollm2-135m_load.json": Entry(
-        "make bench-serving-load", "SGLang servers on the CPU from 1 to 32 clients: plain, DFLASH and NGRAM",
-        ("serving_smollm2-135m_load.png",)),
     "soak_smollm2-135m.json": Entry("make soak SOAK_REQUESTS=5000 SOAK_PARITY_REQUESTS=500",
                                     "a DFLASH server under thousands of varied requests and faults"),
     "soak_smollm2-135m_router2.json": Entry(
@@ -353,24 +350,6 @@ def serving_table(results: Results, name: str = "serving_smollm2-135m.json") -> 
                                value / tok_s[(plugin[0], t, c)]["output_tok_s"])
         summary["label"] = server_label(servers[headline], block, defaults)
     return text, summary
-
-
-def serving_load_section(results: Results) -> str:
-    """The load result's table, then the default DFLASH server over NGRAM at every level."""
-    name = "serving_smollm2-135m_load.json"
-    text, _ = serving_table(results, name)
-    data = results[name]
-    servers = data["setup"]["servers"]
-    ngram = [s for s, c in servers.items() if (_arg(c["args"], "--speculative-algorithm") or "").upper() == "NGRAM"]
-    dflash = [s for s, c in servers.items()
-              if (_arg(c["args"], "--speculative-algorithm") or "").lower() == "dflash" and not c["env"]]
-    if not ngram or not dflash:
-        return text
-    tok_s = {(lv["server"], lv["temperature"], lv["concurrency"]): lv["output_tok_s"] for lv in data["levels"]}
-    levels = list(dict.fromkeys((lv["temperature"], lv["concurrency"]) for lv in data["levels"]))
-    ratios = ", ".join(f"T {t:g} {c} client{'s' if c > 1 else ''} "
-                       f"{num(tok_s[(dflash[0], t, c)] / tok_s[(ngram[0], t, c)], suffix='x')}" for t, c in levels)
-    return f"{text}\n\nThe default DFLASH server's output tok/s over NGRAM's: {ratios}."
 
 
 def soak_memory_rows(memory: dict) -> list[list[str]]:
@@ -686,7 +665,6 @@ SECTIONS = (
     Section("docs/results.md", "e2e-trees-bf16", ("e2e_smollm2-135m_trees_bf16.json",),
             e2e_section("e2e_smollm2-135m_trees_bf16.json")),
     Section("docs/results.md", "serving", ("serving_smollm2-135m.json",), lambda r: serving_table(r)[0]),
-    Section("docs/results.md", "serving-load", ("serving_smollm2-135m_load.json",), serving_load_section),
     Section("docs/results.md", "soak", ("soak_smollm2-135m.json",), soak_section("soak_smollm2-135m.json")),
     Section("docs/results.md", "soak-router", ("soak_smollm2-135m_router2.json",),
             soak_section("soak_smollm2-135m_router2.json")),
