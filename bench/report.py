@@ -274,12 +274,13 @@ def server_label(server: dict, block_size: int | None, defaults: ServedDefaults)
 
 
 def soak_parity_rows(parity: dict) -> list[list[str]]:
-    """The soak's greedy parity: against the plain server with the plugin, and against stock plain
-    (results before both were replayed hold one comparison, with the plugin's plain server)."""
-    by_reference = parity if "plain-plugin" in parity else {"plain-plugin": parity}
+    """The soak's greedy parity: against the plain server with the plugin and against stock plain, or,
+    through the router, against one DFLASH server alone (results before both plain servers were
+    replayed hold one comparison, unkeyed, with the plugin's plain server)."""
     labels = {"dflash-single": "greedy answers through the router equal one DFLASH server's alone",
               "plain-plugin": "greedy answers equal to a plain server's with the plugin",
               "plain": "greedy answers equal to stock plain SGLang's"}
+    by_reference = parity if labels.keys() & parity.keys() else {"plain-plugin": parity}
     rows = []
     for reference, label in labels.items():
         if reference in by_reference:
