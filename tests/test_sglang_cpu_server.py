@@ -109,6 +109,12 @@ def make_models(root: Path, *, draft_hidden=64, block_size=4) -> tuple[Path, Pat
 # -- servers ----------------------------------------------------------------------------------
 
 
+# A DFLASH server of make_models' target and drafter, both with SGLang's deterministic dummy weights
+# (the router and data-parallel tests' servers).
+DUMMY_DFLASH_ARGS = ["--load-format", "dummy", "--speculative-draft-load-format", "dummy", "--dtype", "float32",
+                     "--random-seed", "0", "--max-total-tokens", "4096"]
+
+
 def _env(tmp: Path) -> dict:
     # One thread each: the two servers run side by side on a small CI machine.
     return server_env(tmp, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

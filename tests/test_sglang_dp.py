@@ -28,21 +28,13 @@ from sglang_dflash.serving.local_server import (
     launch_args,
     server_env,
 )
-from tests.test_sglang_cpu_server import make_models
+from tests.test_sglang_cpu_server import DUMMY_DFLASH_ARGS, PROMPTS, STARTUP_TIMEOUT, _generate, make_models
 
 pytestmark = pytest.mark.slow
 
-STARTUP_TIMEOUT = 420
 REQUESTS, CLIENTS, NEW_TOKENS = 48, 16, 12
-WORDS = "the quick brown fox jumps over the lazy dog one two three four five six seven".split()
-PROMPTS = [" ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(6 + 2 * i)) for i in range(6)]
 # SGLang's scheduler log lines carry the replica: "[<time> DP1] Prefill batch. ..."
 PREFILL_LINE = re.compile(r" DP(\d+)\] Prefill batch")
-
-
-def _generate(server: LocalServer, text: str) -> dict:
-    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    return server.post("/generate", {"text": text, "sampling_params": params}, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +44,19 @@ def replicated(tmp_path_factory):
         pytest.skip("two replicas need two cores")
     tmp = tmp_path_factory.mktemp("dp")
     target, draft = make_models(tmp / "models")
-    args = ["--load-format", "dummy", "--speculative-draft-load-format", "dummy", "--dtype", "float32",
-            "--random-seed", "0", "--max-total-tokens", "4096"]
-    single = LocalServer("dflash", launch_args(target, free_port(), draft=draft, extra=args),
+    single = LocalServer("dflash", launch_args(target, free_port(), draft=draft, extra=DUMMY_DFLASH_ARGS),
                          server_env(tmp, OMP_NUM_THREADS="1"), tmp / "dflash.log")
     with all_ready(single, startup_timeout=STARTUP_TIMEOUT):
-        alone = [_generate(single, p)["output_ids"] for p in PROMPTS]
+        alone = [_generate(single, p, max_new_tokens=NEW_TOKENS)["output_ids"] for p in PROMPTS]
     bind = "|".join(",".join(map(str, group)) for group in cores)
-    dp = LocalServer("dflash-dp2", launch_args(target, free_port(), draft=draft, extra=[*args, "--dp-size", "2"]),
+    dp_args = launch_args(target, free_port(), draft=draft, extra=[*DUMMY_DFLASH_ARGS, "--dp-size", "2"])
+    dp = LocalServer("dflash-dp2", dp_args,
                      server_env(tmp, OMP_NUM_THREADS="1", SGLANG_CPU_OMP_THREADS_BIND=bind),
                      tmp / "dflash-dp2.log")
     with all_ready(dp, startup_timeout=STARTUP_TIMEOUT):
         with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
-            answers = list(pool.map(lambda i: _generate(dp, PROMPTS[i % len(PROMPTS)]), range(REQUESTS)))
+            answers = list(pool.map(lambda i: _generate(dp, PROMPTS[i % len(PROMPTS)], max_new_tokens=NEW_TOKENS),
+                                    range(REQUESTS)))
         yield dict(alone=alone, answers=answers, log=dp.text())
 
 

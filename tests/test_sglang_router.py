@@ -27,11 +27,10 @@ from sglang_dflash.serving.local_server import (
     launch_args,
     server_env,
 )
-from tests.test_sglang_cpu_server import make_models
+from tests.test_sglang_cpu_server import DUMMY_DFLASH_ARGS, STARTUP_TIMEOUT, make_models
 
 pytestmark = pytest.mark.slow
 
-STARTUP_TIMEOUT = 420
 REQUESTS, CLIENTS, NEW_TOKENS = 160, 32, 12
 WORDS = "the quick brown fox jumps over the lazy dog one two three four five six seven".split()
 PROMPTS = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(8 + i)) for i in range(8)]
@@ -54,10 +53,8 @@ def routed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     target, draft = make_models(tmp / "models")
     env = server_env(tmp, OMP_NUM_THREADS="1")
-    args = ["--load-format", "dummy", "--speculative-draft-load-format", "dummy", "--dtype", "float32",
-            "--random-seed", "0", "--max-total-tokens", "4096"]
-    servers = [LocalServer(f"dflash-{i}", launch_args(target, free_port(), draft=draft, extra=args), env,
-                           tmp / f"dflash-{i}.log") for i in range(2)]
+    servers = [LocalServer(f"dflash-{i}", launch_args(target, free_port(), draft=draft, extra=DUMMY_DFLASH_ARGS),
+                           env, tmp / f"dflash-{i}.log") for i in range(2)]
     with all_ready(*servers, startup_timeout=STARTUP_TIMEOUT):
         alone = [_generate(servers[0], p)["output_ids"] for p in PROMPTS]
         before = [s.generate_requests_answered() for s in servers]

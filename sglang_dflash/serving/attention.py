@@ -150,21 +150,29 @@ def _verify_tree(forward_batch):
     return _tree_parents
 
 
+def _store_new_kv(layer, forward_batch, kv_pool, k, v, swa_loc, save_kv_cache):
+    """The new tokens' K/V as [rows, Hkv, D] (None stays None: already in the pool), written to
+    their slots when `save_kv_cache`, as SGLang's backends do."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    if k is None or v is None:
+        return k, v
+    k, v = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim), v.reshape(-1, layer.tp_k_head_num, layer.v_head_dim)
+    if save_kv_cache:
+        kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, swa_loc), k, v)
+    return k, v
+
+
 def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_token, swa_loc=None,
                           save_kv_cache=True, decode=False):
     """One TARGET_VERIFY attention layer (or, with `decode`, one decode layer: a causal block of
     one row over the tokens before it): writes the block's K/V to the pool (as SGLang's backends
     do), then `block_attention` over context + block; returns [rows, Hq * D]."""
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
     from sglang_dflash.ops import block_attention
 
     global _tree_layers
-    hq, hkv, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
-    if k is not None and v is not None:  # as RadixAttention.forward hands them to a backend
-        k, v = k.reshape(-1, hkv, dim), v.reshape(-1, hkv, layer.v_head_dim)
-    if save_kv_cache and k is not None and v is not None:
-        kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, swa_loc), k, v)
+    hq, dim = layer.tp_q_head_num, layer.qk_head_dim
+    k, v = _store_new_kv(layer, forward_batch, kv_pool, k, v, swa_loc, save_kv_cache)
     q3 = q.reshape(-1, hq, dim)
     n_rows = q3.shape[0]
     bs = int(forward_batch.req_pool_indices.shape[0])
@@ -206,8 +214,8 @@ def paged_block_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_toke
 
 
 # Rows of a prefill per block_attention block: a block computes all its rows against all its keys, the
-# causal mask discarding half, so a long prompt goes in many short blocks (32 rows: 1.7x SDPA at
-# 2,000 tokens in bench_ops, against 0.8x as one block), which also gives the kernel more tasks.
+# causal mask discarding half, so a long prompt goes in many short blocks (as one block it lost to
+# SDPA on long prompts; bench_ops' prefill_attention times it), which also gives the kernel more tasks.
 PREFILL_BLOCK_ROWS = 32
 
 
@@ -241,12 +249,8 @@ def paged_prefill_attention(q, k, v, layer, forward_batch, *, kv_pool, req_to_to
     per request. Every row then computes, bit for bit, what decoding its token would, so a prompt's
     K/V and first token do not depend on how much of it the prefix cache held (SGLang's SDPA rounds
     by the shape of the call). Returns [rows, Hq * D]."""
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
-    hq, hkv, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
-    k, v = k.reshape(-1, hkv, dim), v.reshape(-1, hkv, layer.v_head_dim)
-    if save_kv_cache:
-        kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, swa_loc), k, v)
+    hq, dim = layer.tp_q_head_num, layer.qk_head_dim
+    k, v = _store_new_kv(layer, forward_batch, kv_pool, k, v, swa_loc, save_kv_cache)
     q3 = q.reshape(-1, hq, dim)
     k_cache, v_cache = kv_pool.get_key_buffer(layer.layer_id), kv_pool.get_value_buffer(layer.layer_id)
     new_tokens, prefixes = forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens.tolist()

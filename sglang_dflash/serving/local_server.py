@@ -88,8 +88,8 @@ def server_env(tmp_dir: Path, **overrides: str) -> dict:
 def core_groups(count: int) -> list[list[int]] | None:
     """This process's cores in `count` disjoint groups of equal size, one per server sharing this
     machine (LocalServer's `cores`). Without them every server's OpenMP threads run on every core and
-    spin while they wait for each other: two servers on the same two cores answered about one request
-    in 5 s here, against 1.3 s for one server alone. None when there are fewer cores than groups."""
+    spin while they wait for each other, which slows every server down several times over. None when
+    there are fewer cores than groups."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < count:
         return None
