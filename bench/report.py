@@ -56,6 +56,9 @@ MANIFEST = {
     "serving_smollm2-135m.json": Entry(
         "make bench-serving", "SGLang servers on the CPU side by side: plain and DFLASH configurations",
         ("serving_smollm2-135m.png",)),
+    "serving_smollm2-135m_load.json": Entry(
+        "make bench-serving-load", "SGLang servers on the CPU under 1-32 clients: stock plain, plain with the plugin, "
+        "DFLASH and NGRAM", ("serving_smollm2-135m_load.png",)),
     "soak_smollm2-135m.json": Entry("make soak SOAK_REQUESTS=5000 SOAK_PARITY_REQUESTS=500",
                                     "a DFLASH server under thousands of varied requests and faults"),
     "soak_smollm2-135m_router2.json": Entry(
@@ -85,7 +88,8 @@ class ServedDefaults:
     draft_int8: bool  # the drafter's weights in int8 on the CPU
 
 
-SERVED_DEFAULTS = {"2e1d3e7": ServedDefaults(tree_budget=0, draft_int8=False)}
+SERVED_DEFAULTS = {"2e1d3e7": ServedDefaults(tree_budget=0, draft_int8=False),
+                   "c58826f": ServedDefaults(tree_budget=15, draft_int8=True)}
 
 DATASETS = {"humaneval": "HumanEval", "gsm8k": "GSM8K", "mtbench": "MT-Bench"}
 
@@ -265,6 +269,8 @@ def server_label(server: dict, block_size: int | None, defaults: ServedDefaults)
     b = _arg(args, "--speculative-dflash-block-size") or block_size or "the drafter's"
     adaptive = env.get("SGLANG_DFLASH_ADAPTIVE") != "0"
     budget = int(env.get("SGLANG_DFLASH_TREE_BUDGET", defaults.tree_budget if adaptive else 0))
+    if str(b).isdigit():
+        budget = min(budget, int(b) - 1)  # a tree holds at most B - 1 drafted tokens
     parts = [f"adaptive B ≤ {b}" if adaptive else f"fixed B = {b}"]
     parts.append("chains only" if budget == 0 else f"trees ≤ {budget}" if adaptive else f"a tree of {budget}")
     int8 = defaults.draft_int8 and env.get("SGLANG_DFLASH_DRAFT_INT8") != "0"
@@ -293,64 +299,119 @@ def soak_parity_rows(parity: dict) -> list[list[str]]:
     return rows
 
 
-def serving_table(results: Results, name: str = "serving_smollm2-135m.json") -> tuple[str, dict]:
-    """The serving result's table, and the headline numbers of its no-switch DFLASH server."""
+@dataclasses.dataclass
+class ServingRun:
+    """A serving result read for its tables: each server's label, the two plain baselines, the levels
+    (temperature, clients) in run order, each level's measurements and the greedy parity counts."""
+
+    data: dict
+    labels: dict[str, str]
+    stock: str | None  # plain with the plugin switched off
+    plugin: str | None  # plain with the plugin installed
+    headline: str | None  # DFLASH with no switch set
+    levels: list[tuple[float, int]]
+    level: dict[tuple[str, float, int], dict]  # (server, temperature, clients) -> its level entry
+    equal: dict[tuple[str, str], list[int]]  # (server, reference server) -> [equal, compared]
+
+    def tok_s(self, server: str, t: float, c: int) -> float:
+        return self.level[(server, t, c)]["output_tok_s"]
+
+    def parity(self, server: str, reference: str | None) -> str:
+        counts = self.equal.get((server, reference)) if reference else None
+        return f"{counts[0]}/{counts[1]}" if counts else "reference" if reference == server else "-"
+
+
+def serving_run(results: Results, name: str) -> ServingRun:
     data = results[name]
     setup = data["setup"]
     defaults = served_defaults(name, data["provenance"]["git"]["commit"])
     block = drafter_block_size(setup["draft"])
     servers = setup["servers"]
-    stock = [s for s, c in servers.items() if "--speculative-algorithm" not in c["args"]
-             and c["env"].get("SGLANG_DFLASH_DISABLE") == "1"]
-    plugin = [s for s, c in servers.items() if "--speculative-algorithm" not in c["args"] and not c["env"]]
-    levels = list(dict.fromkeys((lv["temperature"], lv["concurrency"]) for lv in data["levels"]))
-    tok_s = {(lv["server"], lv["temperature"], lv["concurrency"]): lv for lv in data["levels"]}
+
+    def plain(server: str) -> bool:
+        return "--speculative-algorithm" not in servers[server]["args"]
+
+    stock = next((s for s in servers if plain(s) and servers[s]["env"].get("SGLANG_DFLASH_DISABLE") == "1"), None)
+    plugin = next((s for s in servers if plain(s) and not servers[s]["env"]), None)
+    headline = next((s for s, c in servers.items()
+                     if (_arg(c["args"], "--speculative-algorithm") or "").lower() == "dflash" and not c["env"]), None)
     for lv in data["levels"]:
         if lv["completed"] != lv["requests"]:
             raise ValueError(f"server {lv['server']} completed {lv['completed']} of {lv['requests']} requests")
-    equal: dict[tuple[str, str], list[int]] = {}  # (server, reference server) -> [equal, compared]
+    equal: dict[tuple[str, str], list[int]] = {}
     for comp in data["comparisons"]:
         counts = equal.setdefault((comp["server"], comp["reference"]), [0, 0])
         counts[0] += comp["equal"]
         counts[1] += comp["compared"]
+    return ServingRun(data, {s: server_label(c, block, defaults) for s, c in servers.items()}, stock, plugin, headline,
+                      list(dict.fromkeys((lv["temperature"], lv["concurrency"]) for lv in data["levels"])),
+                      {(lv["server"], lv["temperature"], lv["concurrency"]): lv for lv in data["levels"]}, equal)
+
+
+def serving_setup_line(setup: dict) -> str:
+    return (f"{len(setup['prompts'])} prompts ({', '.join(DATASETS.get(d, d) for d in setup['datasets'])}), up to "
+            f"{setup['max_new_tokens']} new tokens, extra server arguments: `{' '.join(setup['common_args'])}`"
+            f"{' ' + setup['server_args'] if setup['server_args'] else ''}. All servers are up at once and take each "
+            "level's requests in rounds, one server after the other.")
+
+
+def serving_table(results: Results, name: str = "serving_smollm2-135m.json") -> str:
+    """The serving result's table, one row a server."""
+    run = serving_run(results, name)
     rows = []
-    for server, config in servers.items():
-        row = [server_label(config, block, defaults)]
-        for t, c in levels:
-            value = tok_s[(server, t, c)]["output_tok_s"]
-            ratios = [num(value / tok_s[(ref[0], t, c)]["output_tok_s"]) if ref and ref[0] != server else "-"
-                      for ref in (stock, plugin)]
+    for server, label in run.labels.items():
+        row = [label]
+        for t, c in run.levels:
+            value = run.tok_s(server, t, c)
+            ratios = [num(value / run.tok_s(ref, t, c)) if ref and ref != server else "-"
+                      for ref in (run.stock, run.plugin)]
             row.append(f"{num(value, 1)} ({' / '.join(ratios)})")
-        accept = tok_s[(server, *levels[0])]["spec_accept_length_mean"]
+        accept = run.level[(server, *run.levels[0])]["spec_accept_length_mean"]
         row.append(num(accept) if accept is not None else "-")
-        for ref in (stock, plugin):
-            counts = equal.get((server, ref[0])) if ref else None
-            row.append(f"{counts[0]}/{counts[1]}" if counts else "reference" if ref and server == ref[0] else "-")
-        rows.append(row)
-    header = ["server", *(f"T {t:g}, {c} client{'s' if c > 1 else ''}" for t, c in levels),
-              f"accept length (T {levels[0][0]:g}, {levels[0][1]} client)", "greedy output = stock plain",
+        rows.append(row + [run.parity(server, run.stock), run.parity(server, run.plugin)])
+    first_t, first_c = run.levels[0]
+    header = ["server", *(f"T {t:g}, {c} client{'s' if c > 1 else ''}" for t, c in run.levels),
+              f"accept length (T {first_t:g}, {first_c} client)", "greedy output = stock plain",
               "= plain with the plugin"]
-    text = "\n".join([
-        provenance_line(name, data["provenance"]),
+    return "\n".join([
+        provenance_line(name, run.data["provenance"]),
         "",
-        f"{len(setup['prompts'])} prompts ({', '.join(DATASETS.get(d, d) for d in setup['datasets'])}), up to "
-        f"{setup['max_new_tokens']} new tokens, extra server arguments: `{' '.join(setup['common_args'])}`"
-        f"{' ' + setup['server_args'] if setup['server_args'] else ''}. All servers are up at once and take each "
-        "level's requests in rounds, one server after the other. Output tok/s, in brackets over stock plain SGLang "
-        "/ over plain with the plugin. Labels say what each server ran at that commit.",
+        serving_setup_line(run.data["setup"]) + " Output tok/s, in brackets over stock plain SGLang / over plain "
+        "with the plugin. Labels say what each server ran at that commit.",
         "",
         table(header, rows),
     ])
-    headline = next((s for s, c in servers.items()
-                     if (_arg(c["args"], "--speculative-algorithm") or "").lower() == "dflash" and not c["env"]), None)
-    summary = {}
-    if headline and stock and plugin:
-        for t, c in levels:
-            value = tok_s[(headline, t, c)]["output_tok_s"]
-            summary[(t, c)] = (value, value / tok_s[(stock[0], t, c)]["output_tok_s"],
-                               value / tok_s[(plugin[0], t, c)]["output_tok_s"])
-        summary["label"] = server_label(servers[headline], block, defaults)
-    return text, summary
+
+
+def serving_load_section(results: Results, name: str = "serving_smollm2-135m_load.json") -> str:
+    """The load run: one row a level (temperature, clients), each server's tok/s, and the no-switch
+    DFLASH server's ratio over each of the others."""
+    run = serving_run(results, name)
+    if run.headline is None:
+        raise ValueError("no DFLASH server with no switch set")
+    others = [s for s in run.labels if s != run.headline]
+    rows = []
+    for t, c in run.levels:
+        ours = run.tok_s(run.headline, t, c)
+        accept = run.level[(run.headline, t, c)]["spec_accept_length_mean"]
+        rows.append([f"{t:g}", str(c), *(num(run.tok_s(s, t, c), 1) for s in run.labels),
+                     *(num(ours / run.tok_s(s, t, c), suffix="x") for s in others),
+                     num(accept) if accept is not None else "-"])
+    header = ["T", "clients", *(f"`{s}` tok/s" for s in run.labels), *(f"`{run.headline}` / `{s}`" for s in others),
+              f"`{run.headline}` accept length"]
+    slots = _arg(run.data["setup"]["common_args"], "--max-running-requests")
+    legend = [f"- `{s}`: {label}; greedy output = stock plain {run.parity(s, run.stock)}, = plain with the plugin "
+              f"{run.parity(s, run.plugin)}" for s, label in run.labels.items()]
+    return "\n".join([
+        provenance_line(name, run.data["provenance"]),
+        "",
+        serving_setup_line(run.data["setup"]) + (f" A server runs at most {slots} requests at once; more clients "
+                                                 "queue." if slots else "") + " Output tok/s of each server:",
+        "",
+        *legend,
+        "",
+        table(header, rows),
+    ])
 
 
 def soak_memory_rows(memory: dict) -> list[list[str]]:
@@ -616,8 +677,16 @@ def summary_section(results: Results) -> str:
                          for c in cases)
 
     e2e, trees = "e2e_smollm2-135m.json", "e2e_smollm2-135m_trees_bf16.json"
-    _, served = serving_table(results)
-    one, four = served[(0.0, 1)], served[(0.0, 4)]
+    served = serving_run(results, "serving_smollm2-135m_load.json")
+    if not (served.headline and served.stock and served.plugin):
+        raise ValueError("the load run needs stock plain, plain with the plugin and a no-switch DFLASH server")
+
+    def clients(c: int) -> str:
+        ours = served.tok_s(served.headline, 0.0, c)
+        stock, plugin = (num(ours / served.tok_s(ref, 0.0, c), suffix="x") for ref in (served.stock, served.plugin))
+        return (f"{c} client{'s' if c > 1 else ''} {num(ours, 1)} tok/s ({stock} stock plain SGLang, "
+                f"{plugin} plain with the plugin)")
+
     kernels = results["bench_kernels_h200.json"]["cases"]
 
     def speedups(op: str, mode: str | None, baseline: str) -> str:
@@ -630,10 +699,8 @@ def summary_section(results: Results) -> str:
          adaptive_cells(e2e, "≤8"), link(e2e)],
         ["the same, bf16 target: adaptive block size with trees of up to 4 nodes",
          adaptive_cells(trees, "≤8+tree≤4"), link(trees)],
-        [f"SGLang server, CPU, greedy: {served['label']}",
-         f"1 client {num(one[0], 1)} tok/s ({num(one[1], suffix='x')} stock plain SGLang, "
-         f"{num(one[2], suffix='x')} plain with the plugin); 4 clients {num(four[1], suffix='x')} / "
-         f"{num(four[2], suffix='x')}", link("serving_smollm2-135m.json")],
+        [f"SGLang server, CPU, greedy: {served.labels[served.headline]}",
+         "; ".join(clients(c) for c in (1, 4, 32)), link("serving_smollm2-135m_load.json")],
         [f"SGLang server, CPU: {soak['setup']['requests']:,} varied requests and faults",
          f"{sum(soak['checks'].values())} of {len(soak['checks'])} checks pass", link("soak_smollm2-135m.json")],
         ["H200: `verify_block` over torch (greedy argmax / sampled T = 1)",
@@ -657,7 +724,8 @@ class Section:
 
 SECTIONS = (
     Section("README.md", "summary", ("e2e_smollm2-135m.json", "e2e_smollm2-135m_trees_bf16.json",
-                                     "serving_smollm2-135m.json", "soak_smollm2-135m.json", "bench_kernels_h200.json"),
+                                     "serving_smollm2-135m_load.json", "soak_smollm2-135m.json",
+                                     "bench_kernels_h200.json"),
             summary_section),
     Section("docs/results.md", "manifest", tuple(MANIFEST), manifest_section),
     Section("docs/results.md", "e2e", ("e2e_smollm2-135m.json",), e2e_section("e2e_smollm2-135m.json")),
@@ -665,7 +733,8 @@ SECTIONS = (
             e2e_section("e2e_smollm2-135m_trees.json")),
     Section("docs/results.md", "e2e-trees-bf16", ("e2e_smollm2-135m_trees_bf16.json",),
             e2e_section("e2e_smollm2-135m_trees_bf16.json")),
-    Section("docs/results.md", "serving", ("serving_smollm2-135m.json",), lambda r: serving_table(r)[0]),
+    Section("docs/results.md", "serving", ("serving_smollm2-135m.json",), serving_table),
+    Section("docs/results.md", "serving-load", ("serving_smollm2-135m_load.json",), serving_load_section),
     Section("docs/results.md", "soak", ("soak_smollm2-135m.json",), soak_section("soak_smollm2-135m.json")),
     Section("docs/results.md", "soak-router", ("soak_smollm2-135m_router2.json",),
             soak_section("soak_smollm2-135m_router2.json")),
