@@ -514,7 +514,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", type=Path, help=f"HF model directory (default: the packaged {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=SHIPPED_DRAFTER, help="DFlash checkpoint directory or shipped drafter name")
     parser.add_argument("--servers", nargs="+", default=["plain", "dflash"],
-                        help="plain, plain-plugin, dflash (the defaults: adaptive, trees of up to 4 nodes on CPU), "
+                        help="plain, plain-plugin, dflash (the served defaults, docs/serving.md#settings), "
                              "dflash[-fixed][-bN][-treeN][-floatdraft] (-tree0: chains only); all run side by side")
     parser.add_argument("--server-args", default="", help='extra server arguments, e.g. "--dtype float32"')
     parser.add_argument("--datasets", nargs="+", default=DATASETS)

@@ -42,7 +42,10 @@ largest size) b* // 2, and at b* >= 4 every 4th after that a plain step, so the 
 seeing sizes rows apart (steps of one size alone cannot tell a row's cost from a plain step's, and
 a model that never sees plain steps lets its base and jump drift apart). A neighbour of b*
 predicted within `_CLOSE` of its rate is played every 4th step, because which of two close sizes
-wins rests on small differences of noisy estimates.
+wins rests on small differences of noisy estimates. Where plain steps win by far (drafting's best
+rate under `_FAR_FROM_PLAIN` of theirs: many requests on a CPU, where every verified row costs
+compute), an exploration costs more than it can find: each one that confirms it doubles the wait
+for the next, up to `_FAR_EXPLORE_FACTOR` times explore_every.
 
 The constants were chosen on replays of the shipped drafter's measured accept lengths and step
 costs (tests/test_engine_block_size.py, tests/data/accept_lengths_humaneval_t0_b8.json) and
@@ -68,6 +71,8 @@ _PRIOR = (1.0, 0.2, 0.05)  # base, jump, slope relative to base before any contr
 _PRIOR_SD = (0.5, 0.3, 0.1)  # ... and how unsure of them (relative to base)
 _RESIDUAL_PRIOR_SD = 0.035  # how far a size's time may sit off the line (relative to base)
 _PLAIN_MARGIN = 0.03  # a plain step is chosen only when predicted this much faster than drafting
+_FAR_FROM_PLAIN = 0.85  # drafting predicted below this fraction of plain steps' rate ...
+_FAR_EXPLORE_FACTOR = 4  # ... is explored up to this many times less often
 _STATE_PRIOR_WEIGHT = 6.0  # tests of the pooled acceptance a request state's own estimate starts from
 
 # A request's acceptance state: what its last step says of its next one.
@@ -169,6 +174,7 @@ class BlockSizeController:
         self._first_batch_size: int | None = None  # the batch size of the first timed step
         self._timings: dict[int, int] = {}  # block size -> steps timed at that batch size
         self._steps = 0
+        self._far_explorations = 0  # explorations in a row that found drafting far behind plain steps
         self.last_decision: dict = {}  # why the last choose() chose what it chose (for --json / logs)
         self.confidence = ConfidenceCalibration()  # acceptance by draft probability (verify_length)
 
@@ -238,6 +244,7 @@ class BlockSizeController:
         expected, seconds = self.predictions(batch_size, states)
         rate = [e / max(t, 1e-12) for e, t in zip(expected, seconds, strict=True)]
         best = 1 + max(range(self.max_block_size), key=rate.__getitem__)  # smallest b on ties
+        explore_every, far = self.explore_every, False
         if best == 1 and self.max_block_size > 1:
             # A plain step tests no draft, so an estimate of acceptance that noise put too low
             # is never corrected while plain steps play, where one too high is by the next
@@ -245,7 +252,14 @@ class BlockSizeController:
             drafting = 2 + max(range(self.max_block_size - 1), key=lambda i: rate[i + 1])
             if rate[drafting - 1] >= (1.0 - _PLAIN_MARGIN) * rate[0]:
                 best = drafting
-        if self._steps % self.explore_every == self.explore_every - 1:
+            elif rate[drafting - 1] < _FAR_FROM_PLAIN * rate[0]:
+                # Drafting far behind plain steps (many requests on a CPU: every verified row
+                # costs compute): each exploration costs more than it can find, so while they keep
+                # confirming it, every one waits twice as long as the last, up to _FAR_EXPLORE_FACTOR.
+                explore_every *= min(2 ** self._far_explorations, _FAR_EXPLORE_FACTOR)
+                far = True
+        if self._steps % explore_every == explore_every - 1:
+            self._far_explorations = self._far_explorations + 1 if far else 0
             # b* + 1, except: b* // 2 every 4th turn (every 2nd at the largest size, where there is
             # no b* + 1), and a plain step two turns later when b* // 2 is none.
             turn = self._steps // self.explore_every
