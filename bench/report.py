@@ -89,7 +89,6 @@ class ServedDefaults:
 
 
 SERVED_DEFAULTS = {"2e1d3e7": ServedDefaults(tree_budget=0, draft_int8=False),
-                   "c58826f": ServedDefaults(tree_budget=15, draft_int8=True),
                    "d701478": ServedDefaults(tree_budget=15, draft_int8=True)}
 
 DATASETS = {"humaneval": "HumanEval", "gsm8k": "GSM8K", "mtbench": "MT-Bench"}
