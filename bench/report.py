@@ -316,6 +316,10 @@ class ServingRun:
     def tok_s(self, server: str, t: float, c: int) -> float:
         return self.level[(server, t, c)]["output_tok_s"]
 
+    def accept_length(self, server: str, t: float, c: int) -> str:
+        accept = self.level[(server, t, c)]["spec_accept_length_mean"]
+        return num(accept) if accept is not None else "-"
+
     def parity(self, server: str, reference: str | None) -> str:
         counts = self.equal.get((server, reference)) if reference else None
         return f"{counts[0]}/{counts[1]}" if counts else "reference" if reference == server else "-"
@@ -366,9 +370,8 @@ def serving_table(results: Results, name: str = "serving_smollm2-135m.json") -> 
             ratios = [num(value / run.tok_s(ref, t, c)) if ref and ref != server else "-"
                       for ref in (run.stock, run.plugin)]
             row.append(f"{num(value, 1)} ({' / '.join(ratios)})")
-        accept = run.level[(server, *run.levels[0])]["spec_accept_length_mean"]
-        row.append(num(accept) if accept is not None else "-")
-        rows.append(row + [run.parity(server, run.stock), run.parity(server, run.plugin)])
+        rows.append(row + [run.accept_length(server, *run.levels[0]), run.parity(server, run.stock),
+                           run.parity(server, run.plugin)])
     first_t, first_c = run.levels[0]
     header = ["server", *(f"T {t:g}, {c} client{'s' if c > 1 else ''}" for t, c in run.levels),
               f"accept length (T {first_t:g}, {first_c} client)", "greedy output = stock plain",
@@ -393,10 +396,9 @@ def serving_load_section(results: Results, name: str = "serving_smollm2-135m_loa
     rows = []
     for t, c in run.levels:
         ours = run.tok_s(run.headline, t, c)
-        accept = run.level[(run.headline, t, c)]["spec_accept_length_mean"]
         rows.append([f"{t:g}", str(c), *(num(run.tok_s(s, t, c), 1) for s in run.labels),
                      *(num(ours / run.tok_s(s, t, c), suffix="x") for s in others),
-                     num(accept) if accept is not None else "-"])
+                     run.accept_length(run.headline, t, c)])
     header = ["T", "clients", *(f"`{s}` tok/s" for s in run.labels), *(f"`{run.headline}` / `{s}`" for s in others),
               f"`{run.headline}` accept length"]
     slots = _arg(run.data["setup"]["common_args"], "--max-running-requests")
