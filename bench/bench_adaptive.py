@@ -15,7 +15,8 @@ verify), so every configuration decodes the same tokens, and that is checked.
 The figure of merit is milliseconds per generated token of the whole call. Reported per cell: the
 median over rounds of each configuration, and adaptive / best fixed as the median over rounds of
 the paired ratio (the best fixed block size by median, timed in the same round); the same for
-the fresh adaptive run.
+the fresh adaptive run; and what each adaptive run's steps verified (plain, a chain of B rows, a
+tree), as shares of its request-steps over the rounds.
 
     python -m bench.bench_adaptive [--batch-sizes 1 3 8] [--temperatures 0 0.7] [--rounds 5]
 """
@@ -23,6 +24,7 @@ the fresh adaptive run.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import tempfile
@@ -76,15 +78,28 @@ def configurations(max_block_size: int, fixed: list[int]) -> list[dict]:
 
 
 def run_once(target, drafter, config: dict, batch: list[list[int]], params: SamplingParams,
-             state_dir: Path) -> tuple[float, list]:
-    """Seconds per generated token of one fresh Generator's call, and its outputs."""
+             state_dir: Path) -> tuple[float, list, collections.Counter]:
+    """Seconds per generated token of one fresh Generator's call, its outputs, and what its steps
+    verified (`played`)."""
     gen = Generator(target, drafter if config["block_size"] > 1 else NoDrafter(), config["block_size"],
                     adaptive=config.get("adaptive", False), tree_budget=config.get("tree_budget", 0),
                     adaptive_state_dir=state_dir if config.get("saved_state") else None)
     start = time.perf_counter()
     results = gen.generate(batch, params)
     seconds = time.perf_counter() - start
-    return seconds / sum(len(r.output_ids) for r in results), [r.output_ids for r in results]
+    return seconds / sum(len(r.output_ids) for r in results), [r.output_ids for r in results], played(results)
+
+
+def played(results) -> collections.Counter:
+    """An adaptive call's request-steps by what they verified: plain, a chain of B rows, a tree of n
+    nodes (empty for a fixed block size)."""
+    counts = collections.Counter()
+    for result in results:
+        for decision in result.decisions:
+            rows = decision.get("verified", decision["block_size"])
+            counts[f"tree of {decision['tree_budget']}" if decision.get("tree_budget")
+                   else "plain" if rows == 1 else f"B={rows}"] += 1
+    return counts
 
 
 def cell_report(times: dict[str, list[float]]) -> dict:
@@ -100,6 +115,12 @@ def cell_report(times: dict[str, list[float]]) -> dict:
                        f"{key}_over_best_fixed_by_round": [round(p, 4) for p in paired],
                        f"{key}_over_plain": round(medians["plain"] / medians[name], 4)})
     return report
+
+
+def shares(counts: collections.Counter) -> dict[str, float]:
+    """Each choice's share of the request-steps, most played first."""
+    total = sum(counts.values())
+    return {choice: round(n / total, 4) for choice, n in counts.most_common()}
 
 
 def main() -> None:
@@ -134,11 +155,14 @@ def main() -> None:
                 bar.update()
                 times: dict[str, list[float]] = {c["name"]: [] for c in configs}
                 outputs: dict[str, list] = {}
+                mix = {c["name"]: collections.Counter() for c in configs if c.get("adaptive")}
                 for round_ in range(args.rounds):
                     shift = round_ % len(configs)
                     for config in configs[shift:] + configs[:shift]:
-                        per_token, out = run_once(target, drafter, config, batch, params, state_dir)
+                        per_token, out, steps = run_once(target, drafter, config, batch, params, state_dir)
                         times[config["name"]].append(per_token)
+                        if config["name"] in mix:
+                            mix[config["name"]] += steps
                         outputs.setdefault(config["name"], out)
                         bar.update()
                 differing = [name for name, out in outputs.items() if out != outputs["plain"]]
@@ -146,7 +170,8 @@ def main() -> None:
                     raise SystemExit(f"batch {batch_size}, T={temperature}: {differing} decoded other tokens "
                                      "than plain decoding")
                 cell = {"batch_size": batch_size, "temperature": temperature, **cell_report(times),
-                        "tokens": sum(len(o) for o in outputs["plain"])}
+                        "tokens": sum(len(o) for o in outputs["plain"]),
+                        "played": {name: shares(counts) for name, counts in mix.items()}}
                 cells.append(cell)
                 ms = cell["ms_per_token"]
                 tqdm.write(f"batch {batch_size} T={temperature}: adaptive {ms['adaptive']} ms/token, "

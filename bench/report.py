@@ -502,7 +502,7 @@ def adaptive_section(results: Results) -> str:
     rows = [[str(c["batch_size"]), num(c["temperature"], 1)]
             + [num(c["ms_per_token"][n], 1) for n in [*fixed, "adaptive", "adaptive (fresh)"]]
             + [c["best_fixed"], num(c["adaptive_over_best_fixed"], 3, "x"),
-               num(c["fresh_adaptive_over_best_fixed"], 3, "x")]
+               num(c["fresh_adaptive_over_best_fixed"], 3, "x"), most_played(c.get("played", {}).get("adaptive"))]
             for c in cells]
     return "\n".join([
         provenance_line(name, data["provenance"]),
@@ -513,8 +513,19 @@ def adaptive_section(results: Results) -> str:
         "learns from nothing. The ratios are the best fixed configuration's time over the adaptive one's, "
         "paired by round (median): above 1.000x the adaptive run was faster.",
         "",
-        table(["batch", "T", *fixed, "adaptive", "fresh", "best fixed", "adaptive / best", "fresh / best"], rows),
+        "`adaptive played`: its most played steps, as shares of its request-steps.",
+        "",
+        table(["batch", "T", *fixed, "adaptive", "fresh", "best fixed", "adaptive / best", "fresh / best",
+               "adaptive played"], rows),
     ])
+
+
+def most_played(shares: dict[str, float] | None, top: int = 3) -> str:
+    """The `top` most played steps of an adaptive run (bench_adaptive.shares), e.g. "B=3 52%, plain
+    30%, B=4 9%"; "n/a" for a result file that does not record them."""
+    if not shares:
+        return "n/a"
+    return ", ".join(f"{choice} {round(100 * share)}%" for choice, share in list(shares.items())[:top])
 
 
 def linear_memory_section(results: Results) -> str:
